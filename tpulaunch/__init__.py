@@ -1,0 +1,13 @@
+"""tpulaunch: gang-launch SPMD training on every host of a Cloud TPU slice, through Ray.
+
+Inside a launched script::
+
+    import tpulaunch
+    mesh = tpulaunch.get_mesh()      # torch_xla Mesh or jax.sharding.Mesh, built from the plan
+    ctx = tpulaunch.context()        # process index, world size, coordinator, slice, run id, ...
+"""
+
+from tpulaunch.runcontext import context, get_mesh, get_mesh_plan
+
+__all__ = ["context", "get_mesh", "get_mesh_plan"]
+__version__ = "0.1.0"

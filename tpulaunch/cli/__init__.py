@@ -1,0 +1,96 @@
+"""The `tpulaunch` command. Thin: each command parses, calls the library, renders.
+
+Errors: library code raises `TpulaunchError` subclasses; `main()` prints their one line on
+stderr and exits with their documented code. Anything else is a bug: exit 70 with a one-line
+message, and the traceback only with `--debug` (or `TPULAUNCH_DEBUG=1`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from tpulaunch.errors import ExitCode, TpulaunchError
+
+app = typer.Typer(
+    name="tpulaunch",
+    help=(
+        "Launch SPMD training (torch_xla, JAX) on every host of a Cloud TPU slice, through Ray.\n\n"
+        "With no TPU in sight, slices are emulated on this machine (CPU devices, one Ray node per host)."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+_DEBUG = {"on": os.environ.get("TPULAUNCH_DEBUG", "") not in ("", "0")}
+
+
+def debug_enabled() -> bool:
+    return _DEBUG["on"]
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and debug logs."),
+) -> None:
+    if debug:
+        _DEBUG["on"] = True
+
+
+def _register() -> None:
+    # One module per command (or command group); imported here so `tpulaunch --help` lists them.
+    from tpulaunch.cli import cmd_mesh, cmd_topology  # noqa: F401
+
+    for optional in ("cmd_run", "cmd_cluster", "cmd_slice", "cmd_exec"):
+        try:
+            __import__(f"tpulaunch.cli.{optional}")
+        except ModuleNotFoundError as e:
+            if e.name != f"tpulaunch.cli.{optional}":
+                raise
+
+
+def main() -> None:
+    """Console-script entry point."""
+    from tpulaunch.cli.output import Output
+
+    _register()
+    if any(a == "--debug" for a in sys.argv[1:]):
+        _DEBUG["on"] = True
+    try:
+        rc = app(standalone_mode=False)
+    except TpulaunchError as e:
+        if debug_enabled():
+            import traceback
+
+            traceback.print_exc()
+        Output().error(e.line())
+        sys.exit(e.exit_code)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        Output().error("interrupted")
+        sys.exit(ExitCode.INTERRUPTED)
+    except Exception as e:  # noqa: BLE001 - last-resort handler
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(ExitCode.INTERRUPTED)
+        if debug_enabled():
+            import traceback
+
+            traceback.print_exc()
+        Output().error(
+            f"internal error: {type(e).__name__}: {e}. This is a tpulaunch bug; rerun with --debug"
+            " for the traceback and report it"
+        )
+        sys.exit(ExitCode.INTERNAL)
+    else:
+        sys.exit(rc if isinstance(rc, int) else 0)

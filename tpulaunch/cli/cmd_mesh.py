@@ -1,0 +1,77 @@
+"""`tpulaunch mesh inspect`: the mesh tpulaunch would build, and how a tensor would be split."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from tpulaunch import mesh as mesh_mod
+from tpulaunch.cli import app, render
+from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
+from tpulaunch.cli.output import Output
+from tpulaunch.cli.slices import SLICE_OPTIONS, resolve_slices
+from tpulaunch.errors import MeshError
+
+mesh_app = typer.Typer(help="Plan and inspect device meshes.", no_args_is_help=True)
+app.add_typer(mesh_app, name="mesh")
+
+MESH_OPT = typer.Option(
+    None, "--mesh", "-m",
+    help="Per-slice mesh NAME=SIZE,... (one size may be -1). Default: data over one host;"
+         " data=hosts,model=devices_per_host over several.",
+)
+DCN_OPT = typer.Option(
+    None, "--dcn", help="Slices per axis across the data-centre network, e.g. data=2 (multislice).",
+)
+NUM_SLICES_OPT = typer.Option(None, "--num-slices", help="Number of identical slices (multislice).")
+
+
+@mesh_app.command("inspect")
+def inspect(
+    topology: Optional[str] = TOPOLOGY_OPT,
+    accelerator: Optional[str] = ACCEL_OPT,
+    chips_per_host: Optional[int] = CHIPS_PER_HOST_OPT,
+    mesh: Optional[str] = MESH_OPT,
+    dcn: Optional[str] = DCN_OPT,
+    num_slices: Optional[int] = NUM_SLICES_OPT,
+    tpu: Optional[str] = SLICE_OPTIONS["tpu"],
+    zone: Optional[str] = SLICE_OPTIONS["zone"],
+    project: Optional[str] = SLICE_OPTIONS["project"],
+    shard: Optional[str] = typer.Option(None, "--shard", help="A tensor shape to split, e.g. 1024x4096."),
+    spec: Optional[str] = typer.Option(
+        None, "--spec", help="Partition spec for --shard: one mesh axis per dim, None to replicate, a+b for several."
+    ),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Draw the mesh as a grid of device ids colored by host, then the hosts.
+
+    Works with no TPU and no network (unless --tpu asks the Cloud TPU API).
+    Example: `tpulaunch mesh inspect --topology 2x8 --shard 1024x4096 --spec data,model`.
+    """
+    out = Output(json_mode=json_out)
+    resolved = resolve_slices(
+        out, topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
+        tpu=tpu, zone=zone, project=project, num_slices=num_slices, dcn=dcn,
+    )
+    plan = mesh_mod.plan_mesh(resolved.topology, mesh, dcn, resolved.num_slices)
+    sharding = None
+    if shard or spec:
+        if not (shard and spec):
+            raise MeshError("--shard and --spec go together", "e.g. --shard 1024x4096 --spec data,model")
+        sharding = plan.sharding(mesh_mod.parse_tensor_shape(shard), mesh_mod.parse_spec(spec))
+    if json_out:
+        doc = plan.to_dict()
+        if sharding is not None:
+            doc["sharding"] = sharding.to_dict()
+        out.json(doc)
+        return
+    for note in resolved.topology.notes:
+        out.info(f"note: {note}")
+    if out.rich:
+        out.result(render.mesh_rich(plan))
+        if sharding is not None:
+            out.result(render.sharding_rich(sharding))
+    else:
+        for line in render.mesh_lines(plan) + (render.sharding_lines(sharding) if sharding else []):
+            out.line(line)

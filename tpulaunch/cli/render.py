@@ -1,0 +1,191 @@
+"""Pure rendering of library objects: rich renderables for terminals, plain lines for pipes.
+
+No logic lives here beyond layout; every number comes from the Topology / MeshPlan / plan.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from tpulaunch.cli.output import host_color
+from tpulaunch.mesh import MeshPlan, ShardingPlan
+from tpulaunch.topology import Topology
+
+MAX_ROWS = 64  # tables longer than this are cut (the JSON form is never cut)
+
+
+def _coords(chips: Iterable[tuple[int, ...]], dims: int) -> str:
+    return " ".join("(" + ",".join(str(v) for v in c[:dims]) + ")" for c in chips)
+
+
+def topology_lines(t: Topology) -> list[str]:
+    g = t.generation
+    lines = [
+        f"accelerator_type: {t.accelerator_type}",
+        f"generation: {g.name}",
+        f"topology: {t.topology}",
+        f"torus: {g.torus_dims}D",
+        f"tensorcores_per_chip: {g.tensorcores_per_chip}",
+        f"devices_per_chip: {g.devices_per_chip}",
+        f"suffix_counts: {g.suffix_counts}",
+        f"chips: {t.chips}",
+        f"devices: {t.devices}",
+        f"hosts: {t.num_hosts}",
+        f"chips_per_host: {t.chips_per_host}",
+        f"TPU_HOST_BOUNDS: {t.bounds_str(t.host_bounds)}",
+        f"TPU_CHIPS_PER_HOST_BOUNDS: {t.bounds_str(t.chips_per_host_bounds)}",
+    ]
+    for h in t.hosts[:MAX_ROWS]:
+        lines.append(f"host {h.worker_id}: grid {','.join(map(str, h.grid[:g.torus_dims]))} chips {_coords(h.chips, g.torus_dims)}")
+    if t.num_hosts > MAX_ROWS:
+        lines.append(f"... {t.num_hosts - MAX_ROWS} more hosts (use --json for all)")
+    lines += [f"note: {n}" for n in t.notes]
+    return lines
+
+
+def topology_rich(t: Topology) -> Group:
+    g = t.generation
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    rows = [
+        ("accelerator type", t.accelerator_type),
+        ("generation", f"{g.name}  ({g.tensorcores_per_chip} TensorCore(s)/chip, {g.devices_per_chip} device(s)/chip,"
+                       f" {g.torus_dims}D torus, suffix counts {g.suffix_counts})"),
+        ("topology", t.topology),
+        ("chips / devices", f"{t.chips} / {t.devices}"),
+        ("hosts", f"{t.num_hosts} x {t.chips_per_host} chips"),
+        ("TPU_HOST_BOUNDS", t.bounds_str(t.host_bounds)),
+        ("TPU_CHIPS_PER_HOST_BOUNDS", t.bounds_str(t.chips_per_host_bounds)),
+    ]
+    for k, v in rows:
+        head.add_row(k, v)
+    hosts = Table(title="hosts", title_justify="left")
+    hosts.add_column("worker", justify="right")
+    hosts.add_column("grid")
+    hosts.add_column("chips (x,y,z)" if g.torus_dims == 3 else "chips (x,y)")
+    for h in t.hosts[:MAX_ROWS]:
+        hosts.add_row(
+            Text(str(h.worker_id), style=host_color(h.worker_id)),
+            ",".join(map(str, h.grid[:g.torus_dims])),
+            _coords(h.chips, g.torus_dims),
+        )
+    parts: list = [head, hosts]
+    if t.num_hosts > MAX_ROWS:
+        parts.append(Text(f"... {t.num_hosts - MAX_ROWS} more hosts (use --json for all)", style="dim"))
+    parts += [Text(f"note: {n}", style="yellow") for n in t.notes]
+    return Group(*parts)
+
+
+# -- mesh -----------------------------------------------------------------------------------------
+
+
+def _grid_rows(plan: MeshPlan) -> tuple[list[str], list[list[int]]]:
+    """Flatten an N-D mesh to rows (all axes but the last) x columns (the last axis)."""
+    shape = plan.shape
+    cols = shape[-1]
+    flat = plan.device_ids()
+    labels, rows = [], []
+    lead = shape[:-1]
+    for r in range(math.prod(lead) if lead else 1):
+        idx, rem = [], r
+        for n in reversed(lead):
+            rem, i = divmod(rem, n)
+            idx.append(i)
+        idx.reverse()
+        labels.append(",".join(f"{a}={i}" for a, i in zip(plan.axis_names[:-1], idx)) or "-")
+        rows.append(flat[r * cols:(r + 1) * cols])
+    return labels, rows
+
+
+def mesh_header(plan: MeshPlan) -> str:
+    axes = ", ".join(f"{a}={n}" for a, n in zip(plan.axis_names, plan.shape))
+    dcn = ""
+    if plan.num_slices > 1:
+        dcn = "  (ICI " + "x".join(map(str, plan.ici_shape)) + " x DCN " + "x".join(map(str, plan.dcn_shape)) + ")"
+    t = plan.topology
+    slices = f"{plan.num_slices} x " if plan.num_slices > 1 else ""
+    return f"mesh {axes}{dcn} over {slices}{t.accelerator_type} ({t.topology}), {plan.num_devices} devices"
+
+
+def mesh_rich(plan: MeshPlan) -> Group:
+    labels, rows = _grid_rows(plan)
+    proc_of = {d: plan.device(d).process for d in plan.device_ids()}
+    last = plan.axis_names[-1]
+    grid = Table(title=mesh_header(plan), title_justify="left", show_lines=False)
+    grid.add_column(", ".join(plan.axis_names[:-1]) or "", style="bold")
+    for c in range(plan.shape[-1]):
+        grid.add_column(f"{last}={c}", justify="right")
+    for label, row in list(zip(labels, rows))[:MAX_ROWS]:
+        grid.add_row(label, *[Text(str(d), style=host_color(proc_of[d])) for d in row])
+    parts: list = [grid]
+    if len(rows) > MAX_ROWS:
+        parts.append(Text(f"... {len(rows) - MAX_ROWS} more rows (use --json for all)", style="dim"))
+    parts.append(Text("cells: device id, colored by host", style="dim"))
+    parts.append(hosts_table(plan))
+    return Group(*parts)
+
+
+def hosts_table(plan: MeshPlan) -> Table:
+    t = plan.topology
+    dims = t.generation.torus_dims
+    table = Table(title="hosts", title_justify="left")
+    for col in ("process", "slice", "worker", "devices", "chips"):
+        table.add_column(col, justify="right" if col != "chips" else "left")
+    for p in range(min(plan.num_processes, MAX_ROWS)):
+        ids = plan.process_device_ids(p)
+        w = p % t.num_hosts
+        table.add_row(
+            Text(str(p), style=host_color(p)), str(p // t.num_hosts), str(w),
+            _ranges(ids), _coords(t.host_chips(w), dims),
+        )
+    return table
+
+
+def mesh_lines(plan: MeshPlan) -> list[str]:
+    labels, rows = _grid_rows(plan)
+    out = [mesh_header(plan)]
+    for label, row in zip(labels[:MAX_ROWS], rows[:MAX_ROWS]):
+        out.append(f"{label}: " + " ".join(str(d) for d in row))
+    if len(rows) > MAX_ROWS:
+        out.append(f"... {len(rows) - MAX_ROWS} more rows (use --json for all)")
+    t = plan.topology
+    for p in range(min(plan.num_processes, MAX_ROWS)):
+        out.append(
+            f"host {p}: slice {p // t.num_hosts} worker {p % t.num_hosts} devices {_ranges(plan.process_device_ids(p))}"
+        )
+    return out
+
+
+def _ranges(ids: list[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+
+
+def sharding_lines(s: ShardingPlan) -> list[str]:
+    shape = "x".join(map(str, s.tensor_shape))
+    spec = ",".join("+".join(e) if isinstance(e, tuple) else str(e) for e in s.spec)
+    out = [
+        f"tensor {shape} spec ({spec})",
+        f"shard shape: {'x'.join(map(str, s.shard_shape))} ({math.prod(s.tile_shape)} shards, {s.replicate} replica(s) each)",
+        f"hlo sharding: {s.hlo}",
+    ]
+    for ranges, devs in s.blocks()[:MAX_ROWS]:
+        out.append("block " + " ".join(f"[{a}:{b}]" for a, b in ranges) + " on devices " + ",".join(map(str, devs)))
+    if len(s.blocks()) > MAX_ROWS:
+        out.append(f"... {len(s.blocks()) - MAX_ROWS} more blocks (use --json for all)")
+    return out
+
+
+def sharding_rich(s: ShardingPlan) -> Group:
+    lines = sharding_lines(s)
+    table = Table(title=lines[0], title_justify="left", caption=lines[1] + "\n" + lines[2], caption_justify="left")
+    table.add_column("block (rows:cols...)")
+    table.add_column("devices")
+    for ranges, devs in s.blocks()[:MAX_ROWS]:
+        table.add_row(" ".join(f"[{a}:{b}]" for a, b in ranges), ",".join(map(str, devs)))
+    return Group(table)

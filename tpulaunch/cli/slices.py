@@ -1,0 +1,25 @@
+"""Slice-selection flags shared by `run`, `exec` and `mesh inspect`."""
+
+from __future__ import annotations
+
+import typer
+
+from tpulaunch.cli.output import Output
+from tpulaunch.resolve import ResolvedSlices
+from tpulaunch.resolve import resolve_slices as _resolve
+
+SLICE_OPTIONS = {
+    "tpu": typer.Option(None, "--tpu", help="Cloud TPU node name: discover the slice through the Cloud TPU API."),
+    "queued_resource": typer.Option(None, "--queued-resource", help="Queued resource name (its nodes form a multislice)."),
+    "zone": typer.Option(None, "--zone", help="Zone of --tpu (default: CLOUDSDK_COMPUTE_ZONE or gcloud config)."),
+    "project": typer.Option(None, "--project", help="Project of --tpu (default: GOOGLE_CLOUD_PROJECT or gcloud config)."),
+    "force": typer.Option(False, "--force", help="Go on even if the slice is not READY/HEALTHY."),
+}
+
+
+def resolve_slices(out: Output, **kwargs) -> ResolvedSlices:
+    """Resolve, with a progress line while the API or metadata server is asked."""
+    if kwargs.get("tpu") or kwargs.get("queued_resource"):
+        with out.status("asking the Cloud TPU API ..."):
+            return _resolve(**kwargs)
+    return _resolve(**kwargs)

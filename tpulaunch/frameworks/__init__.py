@@ -1,0 +1,75 @@
+"""Framework adapters: boot the runtime, build the mesh from a MeshPlan, shut down.
+
+Each adapter is one module exposing the `Framework` interface. Adding a framework (say
+TorchTPU) is a new module plus one line in `_ADAPTERS`; nothing else in the tree changes.
+Adapter modules import their framework lazily, so the driver never loads torch or jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tpulaunch.errors import LaunchError
+
+if TYPE_CHECKING:
+    from tpulaunch.launch import HostState
+    from tpulaunch.mesh import MeshPlan
+    from tpulaunch.topology import Topology
+
+_ADAPTERS = {
+    "torch_xla": "tpulaunch.frameworks.torch_xla",
+    "jax": "tpulaunch.frameworks.jax",
+}
+
+
+class Framework(Protocol):
+    name: str
+    extra: str  # pip extra that installs it
+    import_name: str  # top-level module whose presence means "installed"
+
+    def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
+        """Env a host process needs to emulate its TPU host on CPU (pure, driver side)."""
+
+    def boot(self, state: "HostState") -> None:
+        """Start the runtime in the host process, before any user code touches it."""
+
+    def build_mesh(self, plan: "MeshPlan", state: "HostState") -> Any:
+        """Turn the plan into the framework's mesh, after checking it against the runtime."""
+
+    def shutdown(self) -> None:
+        """Leave cleanly (bounded in time)."""
+
+
+def names() -> list[str]:
+    return list(_ADAPTERS)
+
+
+def get(name: str) -> Framework:
+    if name not in _ADAPTERS:
+        raise LaunchError(f"unknown framework '{name}'", f"choose one of {', '.join(_ADAPTERS)}, or auto")
+    return importlib.import_module(_ADAPTERS[name]).ADAPTER  # type: ignore[no-any-return]
+
+
+def require_installed(name: str) -> None:
+    """Fail early and clearly on the driver when the framework is not importable."""
+    fw = get(name)
+    if importlib.util.find_spec(fw.import_name) is None:
+        raise LaunchError(
+            f"--framework {name} needs {fw.import_name}, which is not installed",
+            f"pip install 'tpulaunch[{fw.extra}]'",
+        )
+
+
+def detect(script_text: str) -> tuple[str, str]:
+    """Pick a framework from what a script imports. Returns (name, reason)."""
+    import re
+
+    uses_jax = re.search(r"^\s*(import jax\b|from jax\b)", script_text, re.M) is not None
+    uses_xla = re.search(r"^\s*(import torch_xla\b|from torch_xla\b)", script_text, re.M) is not None
+    if uses_jax and not uses_xla:
+        return "jax", "the script imports jax"
+    if uses_xla:
+        return "torch_xla", "the script imports torch_xla"
+    return "torch_xla", "the script imports neither jax nor torch_xla; defaulting to torch_xla"

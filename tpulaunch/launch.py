@@ -1,0 +1,251 @@
+"""`LaunchPlan`: everything each host needs, as pure data, built without touching anything.
+
+`build_plan()` is a pure function of its arguments: `--dry-run` prints its result, tests
+compare it field by field, and `runner.execute()` takes nothing else.
+
+Process index is the TPU worker id in physical order (plus `slice_index * hosts_per_slice` on
+multislice), never the order Ray happened to schedule in.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import secrets
+from dataclasses import asdict, dataclass, field
+
+from tpulaunch import frameworks
+from tpulaunch.errors import LaunchError
+from tpulaunch.mesh import MeshPlan
+from tpulaunch.slicespec import SliceSpec
+from tpulaunch.topology import Topology
+
+MEGASCALE_PORT = 8081  # libtpu's DCN coordinator port (Ray and MaxText use the same)
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def new_run_id() -> str:
+    """Sortable and unique: `20261121-223012-3f9a`."""
+    now = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{now}-{secrets.token_hex(2)}"
+
+
+def parse_env(items: list[str] | None) -> dict[str, str]:
+    """`["K=V", ...]` from repeated `--env` flags."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not _ENV_KEY.match(key):
+            raise LaunchError(f"--env '{item}' is not KEY=VALUE", "write it as --env NAME=value")
+        out[key] = value
+    return out
+
+
+@dataclass(frozen=True)
+class HostLaunch:
+    """One host process of the launch."""
+
+    process_index: int
+    slice_index: int
+    worker_id: int
+    slice_name: str
+    ip: str
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    run_id: str
+    script: str
+    args: tuple[str, ...]
+    framework: str
+    mesh: MeshPlan
+    slices: tuple[SliceSpec, ...]
+    hosts: tuple[HostLaunch, ...]
+    emulated: bool
+    coordinator_address: str
+    distributed: bool
+    log_dir: str
+    workdir: str
+    command: tuple[str, ...] = ()  # set for `tpulaunch exec`: run this instead of a script
+
+    @property
+    def topology(self) -> Topology:
+        return self.mesh.topology
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": "tpulaunch.launch/v1",
+            "run_id": self.run_id,
+            "script": self.script,
+            "args": list(self.args),
+            "command": list(self.command),
+            "framework": self.framework,
+            "emulated": self.emulated,
+            "distributed": self.distributed,
+            "coordinator_address": self.coordinator_address,
+            "log_dir": self.log_dir,
+            "workdir": self.workdir,
+            "topology": self.topology.to_dict(with_hosts=False),
+            "num_slices": self.mesh.num_slices,
+            "slices": [s.to_dict() for s in self.slices],
+            "mesh": self.mesh.to_dict(devices=False),
+            "hosts": [asdict(h) for h in self.hosts],
+        }
+
+
+@dataclass(frozen=True)
+class HostState:
+    """What one host's bootstrap process unpickles: its part of the plan plus the mesh plan."""
+
+    run_id: str
+    process_index: int
+    num_processes: int
+    worker_id: int
+    slice_index: int
+    num_slices: int
+    slice_name: str
+    accelerator_type: str
+    topology: str
+    coordinator_address: str
+    framework: str
+    emulated: bool
+    distributed: bool
+    log_dir: str
+    script: str
+    args: tuple[str, ...]
+    mesh: MeshPlan
+    command: tuple[str, ...] = ()
+    extra: dict = field(default_factory=dict)
+
+    @staticmethod
+    def for_host(plan: LaunchPlan, host: HostLaunch) -> "HostState":
+        return HostState(
+            run_id=plan.run_id,
+            process_index=host.process_index,
+            num_processes=len(plan.hosts),
+            worker_id=host.worker_id,
+            slice_index=host.slice_index,
+            num_slices=plan.mesh.num_slices,
+            slice_name=host.slice_name,
+            accelerator_type=plan.topology.accelerator_type,
+            topology=plan.topology.topology,
+            coordinator_address=plan.coordinator_address,
+            framework=plan.framework,
+            emulated=plan.emulated,
+            distributed=plan.distributed,
+            log_dir=plan.log_dir,
+            script=plan.script,
+            args=plan.args,
+            mesh=plan.mesh,
+            command=plan.command,
+        )
+
+
+def build_plan(
+    *,
+    slices: list[SliceSpec],
+    mesh: MeshPlan,
+    script: str,
+    args: list[str] | tuple[str, ...] = (),
+    framework: str = "torch_xla",
+    user_env: dict[str, str] | None = None,
+    run_id: str,
+    coordinator_port: int,
+    jax_coordinator_port: int | None = None,
+    megascale_port: int = MEGASCALE_PORT,
+    emulated: bool,
+    metadata_server: bool = False,
+    distributed: bool = True,
+    log_dir: str,
+    workdir: str,
+    command: tuple[str, ...] = (),
+) -> LaunchPlan:
+    """Plan a launch: one HostLaunch per TPU host of every slice, with its full environment.
+
+    `metadata_server` says whether the hosts can ask a GCE metadata server (real TPU VMs);
+    without one (emulation, containers) the slice facts are pushed as `TPU_*` variables with
+    `TPU_SKIP_MDS_QUERY=1`, the fallback torch_xla and libtpu honour.
+    """
+    topo = mesh.topology
+    if len(slices) != mesh.num_slices:
+        raise LaunchError(f"{len(slices)} slices found but the mesh spans {mesh.num_slices}", "check --num-slices")
+    for s in slices:
+        if len(s.workers) != topo.num_hosts:
+            raise LaunchError(
+                f"slice {s.name} lists {len(s.workers)} workers but {topo.accelerator_type} has {topo.num_hosts} hosts",
+                "the slice does not match its topology; describe it with `tpulaunch slice describe`",
+            )
+    fw = frameworks.get(framework)
+    first = slices[0].workers[0].ip
+    coordinator = f"{first}:{coordinator_port}"
+    n_proc = topo.num_hosts * len(slices)
+    hosts = []
+    for s_idx, s in enumerate(slices):
+        hostnames = ",".join(w.ip for w in s.workers)
+        for w in s.workers:
+            proc = s_idx * topo.num_hosts + w.worker_id
+            env: dict[str, str] = {
+                "TPULAUNCH_RUN_ID": run_id,
+                "TPULAUNCH_PROCESS_INDEX": str(proc),
+                "TPULAUNCH_NUM_PROCESSES": str(n_proc),
+                "TPULAUNCH_COORDINATOR_ADDRESS": coordinator,
+                "TPULAUNCH_EMULATED": "1" if emulated else "0",
+                "TPULAUNCH_FRAMEWORK": framework,
+                # torch.distributed (gloo) and anything reading the usual names
+                "MASTER_ADDR": first,
+                "MASTER_PORT": str(coordinator_port),
+                "RANK": str(proc),
+                "WORLD_SIZE": str(n_proc),
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                # what libtpu / torch_xla / JAX's GKE cluster detection read
+                "TPU_WORKER_ID": str(w.worker_id),
+                "TPU_WORKER_HOSTNAMES": hostnames,
+                "TPU_ACCELERATOR_TYPE": topo.accelerator_type,
+                "TPU_NAME": s.name,
+                "PJRT_DEVICE": "TPU",
+                "PYTHONUNBUFFERED": "1",
+            }
+            if not metadata_server:
+                env.update(
+                    {
+                        "TPU_SKIP_MDS_QUERY": "1",
+                        "TPU_TOPOLOGY": topo.topology,
+                        "TPU_HOST_BOUNDS": topo.bounds_str(topo.host_bounds),
+                        "TPU_CHIPS_PER_HOST_BOUNDS": topo.bounds_str(topo.chips_per_host_bounds),
+                    }
+                )
+            if jax_coordinator_port is not None:
+                env["JAX_COORDINATOR_ADDRESS"] = f"{first}:{jax_coordinator_port}"
+                env["JAX_NUM_PROCESSES"] = str(n_proc)
+                env["JAX_PROCESS_ID"] = str(proc)
+            if len(slices) > 1:
+                env.update(
+                    {
+                        "MEGASCALE_COORDINATOR_ADDRESS": first,
+                        "MEGASCALE_PORT": str(megascale_port),
+                        "MEGASCALE_NUM_SLICES": str(len(slices)),
+                        "MEGASCALE_SLICE_ID": str(s_idx),
+                    }
+                )
+            if emulated:
+                env.update(fw.emulation_env(topo, len(slices)))
+            env.update(user_env or {})
+            hosts.append(HostLaunch(proc, s_idx, w.worker_id, s.name, w.ip, env))
+    hosts.sort(key=lambda h: h.process_index)
+    return LaunchPlan(
+        run_id=run_id,
+        script=script,
+        args=tuple(args),
+        framework=framework,
+        mesh=mesh,
+        slices=tuple(slices),
+        hosts=tuple(hosts),
+        emulated=emulated,
+        coordinator_address=coordinator,
+        distributed=distributed,
+        log_dir=log_dir,
+        workdir=workdir,
+        command=command,
+    )

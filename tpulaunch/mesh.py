@@ -1,0 +1,466 @@
+"""`MeshPlan`: the logical device mesh, planned on the driver from a `Topology` alone.
+
+A MeshPlan is a *recipe*, not a framework object: a handful of ints and strings (it pickles
+to well under a KB even for a 6144-chip pod). Every derived table (which physical device sits
+at which mesh position, the HLO sharding of a tensor) is recomputed from those fields, so the
+driver and every host agent agree on it without shipping large arrays. The framework mesh
+(`torch_xla.distributed.spmd.Mesh`, `jax.sharding.Mesh`) is only ever built from it inside the
+process that trains, after its runtime is up (see `tpulaunch/frameworks/`).
+
+Device ids
+    Plan device id = `slice * devices_per_slice + worker_id * devices_per_host + local`, where
+    `local` enumerates the host's chips x-fastest (see `topology.py`) with cores innermost. In an
+    emulated slice these are exactly the CPU runtime's device ordinals; on a TPU the agent maps
+    them to runtime ordinals through each device's `coords` / `core_on_chip` / `slice_index`.
+
+Placement rule (how mesh positions map to chips)
+    1. Order the devices of one slice along a *torus walk*: hosts in boustrophedon ("snake")
+       order over the host grid, and inside each host its chips in snake order over the host's
+       chip block, cores innermost. Consecutive chips in the walk are torus neighbours inside
+       a host (and across the host boundary on 1D host grids, the common multi-host case).
+    2. Fill the per-slice (ICI) mesh in row-major order from that walk. So the innermost axes
+       step between neighbouring chips, like JAX's `mesh_utils.create_device_mesh`, and an
+       inner block of `devices_per_host` positions is exactly one host: with the default
+       `(hosts, devices_per_host)` mesh each row is one host and model-parallel traffic stays
+       on that host's own interconnect.
+    3. Multislice (DCN): slice `s` takes the block at row-major position `s` of the DCN shape;
+       along each axis the DCN index is the outer part: `index = dcn_index * ici_size + ici_index`
+       (the `HybridMesh` / `create_hybrid_device_mesh` convention).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterator, Sequence
+
+from tpulaunch.errors import MeshError
+from tpulaunch.topology import Coord, Topology
+
+_AXIS_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+AxisSpec = tuple[tuple[str, int], ...]  # ordered (name, size); size -1 means "infer"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of the planned mesh, with its physical place."""
+
+    id: int
+    slice: int
+    worker_id: int  # TPU worker id within its slice
+    process: int  # global process index = slice * hosts_per_slice + worker_id
+    chip: Coord
+    core: int
+
+
+# -- parsing ------------------------------------------------------------------------------------
+
+
+def parse_axes(text: str, flag: str = "--mesh") -> AxisSpec:
+    """`"data=4,model=-1"` -> `(("data", 4), ("model", -1))`."""
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    if not items:
+        raise MeshError(f"{flag} is empty", f"write it as {flag} data=4,model=4")
+    out: list[tuple[str, int]] = []
+    for item in items:
+        name, sep, size = item.partition("=")
+        name = name.strip()
+        if not sep or not _AXIS_RE.match(name):
+            raise MeshError(
+                f"{flag} entry '{item}' is not NAME=SIZE",
+                f"write it as {flag} data=4,model=4 (one axis may be -1 to infer it)",
+            )
+        try:
+            n = int(size)
+        except ValueError:
+            raise MeshError(f"{flag} axis '{name}' has size '{size}', not an integer", "use a positive integer or -1") from None
+        if n == 0 or n < -1:
+            raise MeshError(f"{flag} axis '{name}' has size {n}", "sizes are positive integers (or -1 once, to infer)")
+        if any(name == o for o, _ in out):
+            raise MeshError(f"{flag} names axis '{name}' twice", "give every axis a distinct name")
+        out.append((name, n))
+    if sum(1 for _, n in out if n == -1) > 1:
+        raise MeshError(f"{flag} has more than one -1 axis", "only one axis size can be inferred")
+    return tuple(out)
+
+
+def _infer(axes: AxisSpec, total: int, what: str) -> tuple[int, ...]:
+    known = math.prod(n for _, n in axes if n != -1)
+    desc = ",".join(f"{a}={n}" for a, n in axes)
+    if any(n == -1 for _, n in axes):
+        if total % known:
+            raise MeshError(
+                f"mesh {desc} cannot be completed: {total} {what} is not divisible by {known}",
+                f"choose sizes whose product divides {total}",
+            )
+        return tuple(total // known if n == -1 else n for _, n in axes)
+    if known != total:
+        raise MeshError(
+            f"mesh {desc} has {known} positions but the slice has {total} {what}",
+            f"choose sizes whose product is {total} (or use -1 for one axis)",
+        )
+    return tuple(n for _, n in axes)
+
+
+# -- the torus walk -----------------------------------------------------------------------------
+
+
+def snake(bounds: Coord) -> list[Coord]:
+    """Boustrophedon walk over an (X, Y, Z) box: consecutive coordinates are neighbours."""
+    bx, by, bz = bounds
+    out: list[Coord] = []
+    row = 0
+    for z in range(bz):
+        ys = range(by) if z % 2 == 0 else range(by - 1, -1, -1)
+        for y in ys:
+            xs = range(bx) if row % 2 == 0 else range(bx - 1, -1, -1)
+            out.extend((x, y, z) for x in xs)
+            row += 1
+    return out
+
+
+# -- the plan -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """Logical mesh over one or more identical slices. Pure data; see the module docstring."""
+
+    topology: Topology
+    axis_names: tuple[str, ...]
+    ici_shape: tuple[int, ...]
+    dcn_shape: tuple[int, ...]
+    num_slices: int = 1
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(i * d for i, d in zip(self.ici_shape, self.dcn_shape))
+
+    @property
+    def num_devices(self) -> int:
+        return self.topology.devices * self.num_slices
+
+    @property
+    def num_processes(self) -> int:
+        return self.topology.num_hosts * self.num_slices
+
+    def axis_size(self, name: str) -> int:
+        return self.shape[self.axis_names.index(name)]
+
+    # -- physical devices -----------------------------------------------------------------------
+    def device(self, device_id: int) -> Device:
+        t = self.topology
+        s, rest = divmod(device_id, t.devices)
+        w, local = divmod(rest, t.devices_per_host)
+        chip_i, core = divmod(local, t.generation.devices_per_chip)
+        chip = t.host_chips(w)[chip_i]
+        return Device(device_id, s, w, s * t.num_hosts + w, chip, core)
+
+    def _slice_walk(self) -> list[int]:
+        """Device ids of slice 0 in torus-walk order (rule 1 of the module docstring)."""
+        t = self.topology
+        dpc = t.generation.devices_per_chip
+        block = t.chips_per_host_bounds
+        local_index = {c: i for i, c in enumerate(snake(block))}
+        # x-fastest index of each chip inside its host block (the device-id order)
+        xfast = {
+            (x, y, z): x + block[0] * (y + block[1] * z)
+            for z in range(block[2]) for y in range(block[1]) for x in range(block[0])
+        }
+        order = sorted(local_index, key=local_index.get)  # type: ignore[arg-type]
+        walk: list[int] = []
+        for grid in snake(t.host_bounds):
+            w = t.worker_id_of_grid(grid)
+            base = w * t.devices_per_host
+            for c in order:
+                for core in range(dpc):
+                    walk.append(base + xfast[c] * dpc + core)
+        return walk
+
+    @cached_property
+    def _grid(self) -> list[int]:
+        """Device ids in row-major order of `shape` (cached; not pickled)."""
+        walk = self._slice_walk()
+        per_slice = self.topology.devices
+        ici, dcn, shape = self.ici_shape, self.dcn_shape, self.shape
+        grid = [0] * math.prod(shape)
+        for s in range(self.num_slices):
+            dcn_idx = _unravel(s, dcn)
+            for k, dev in enumerate(walk):
+                ici_idx = _unravel(k, ici)
+                full = tuple(d * i_size + i for d, i, i_size in zip(dcn_idx, ici_idx, ici))
+                grid[_ravel(full, shape)] = s * per_slice + dev
+        return grid
+
+    def device_ids(self) -> list[int]:
+        """Flat device ids in row-major mesh order (the `device_ids` of a torch_xla Mesh)."""
+        return list(self._grid)
+
+    def grid(self) -> list:
+        """Nested lists of device ids with the mesh's shape."""
+        return _nest(self._grid, self.shape)
+
+    def position_of(self, device_id: int) -> tuple[int, ...]:
+        return _unravel(self._grid.index(device_id), self.shape)
+
+    def iter_positions(self) -> Iterator[tuple[tuple[int, ...], Device]]:
+        for flat, dev in enumerate(self._grid):
+            yield _unravel(flat, self.shape), self.device(dev)
+
+    def process_device_ids(self, process: int) -> list[int]:
+        """Device ids owned by one process (host), in id order."""
+        per_host = self.topology.devices_per_host
+        return list(range(process * per_host, (process + 1) * per_host))
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_grid", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    # -- sharding ---------------------------------------------------------------------------------
+    def sharding(self, tensor_shape: Sequence[int], spec: Sequence[object]) -> "ShardingPlan":
+        return ShardingPlan.build(self, tuple(tensor_shape), tuple(spec))
+
+    # -- rendering data ---------------------------------------------------------------------------
+    def to_dict(self, devices: bool = True) -> dict:
+        """Documented JSON form (schema `tpulaunch.mesh/v1`)."""
+        t = self.topology
+        doc: dict = {
+            "schema": "tpulaunch.mesh/v1",
+            "axis_names": list(self.axis_names),
+            "shape": list(self.shape),
+            "ici_shape": list(self.ici_shape),
+            "dcn_shape": list(self.dcn_shape),
+            "num_slices": self.num_slices,
+            "num_devices": self.num_devices,
+            "num_processes": self.num_processes,
+            "generation": t.generation.name,
+            "accelerator_type": t.accelerator_type,
+            "topology": t.topology,
+            "devices_per_host": t.devices_per_host,
+            "grid": self.grid(),
+        }
+        if devices:
+            doc["devices"] = [
+                {
+                    "id": d.id, "position": list(pos), "slice": d.slice, "worker_id": d.worker_id,
+                    "process": d.process, "chip": list(d.chip), "core": d.core,
+                }
+                for pos, d in sorted(self.iter_positions(), key=lambda pd: pd[1].id)
+            ]
+            doc["processes"] = [
+                {
+                    "process": p, "slice": p // t.num_hosts, "worker_id": p % t.num_hosts,
+                    "device_ids": self.process_device_ids(p),
+                }
+                for p in range(self.num_processes)
+            ]
+        return doc
+
+
+def plan_mesh(
+    topology: Topology,
+    mesh: str | AxisSpec | None = None,
+    dcn: str | AxisSpec | None = None,
+    num_slices: int | None = None,
+) -> MeshPlan:
+    """Plan the mesh for `num_slices` copies of `topology`.
+
+    `mesh` is the per-slice (ICI) mesh, e.g. `data=4,model=4`; default: `("data",)` over one
+    host, `("data", "model") = (hosts, devices_per_host)` over several. `dcn` gives how many
+    slices each axis spans, e.g. `data=2`; an axis named only in `dcn` is added as the outermost
+    axis. The full mesh is the elementwise product of the two, as in torch_xla's `HybridMesh`.
+    """
+    ici_axes = parse_axes(mesh) if isinstance(mesh, str) else mesh
+    dcn_axes = parse_axes(dcn, "--dcn") if isinstance(dcn, str) else dcn
+    if dcn_axes and any(n == -1 for _, n in dcn_axes):
+        if num_slices is None:
+            raise MeshError("--dcn with -1 needs --num-slices", "give the DCN sizes explicitly or pass --num-slices")
+    if num_slices is None:
+        num_slices = math.prod(n for _, n in dcn_axes) if dcn_axes else 1
+    if num_slices < 1:
+        raise MeshError(f"--num-slices {num_slices}", "use 1 or more")
+
+    if ici_axes is None:
+        if topology.num_hosts == 1:
+            ici_axes = (("data", topology.devices),)
+        else:
+            ici_axes = (("data", topology.num_hosts), ("model", topology.devices_per_host))
+    ici = _infer(ici_axes, topology.devices, "devices per slice")
+    names = [n for n, _ in ici_axes]
+
+    if dcn_axes is None:
+        dcn_axes = ((names[0], num_slices),) if num_slices > 1 else ()
+    dcn_sizes = _infer(dcn_axes, num_slices, "slices") if dcn_axes else ()
+    ici_list = list(ici)
+    dcn_by_name = dict(zip((n for n, _ in dcn_axes), dcn_sizes))
+    for name in reversed([n for n, _ in dcn_axes if n not in names]):
+        names.insert(0, name)
+        ici_list.insert(0, 1)
+    if len(set(names)) != len(names):
+        raise MeshError("mesh axis names repeat", "give every axis a distinct name")
+    dcn_shape = tuple(dcn_by_name.get(n, 1) for n in names)
+    if math.prod(dcn_shape) != num_slices:
+        raise MeshError(
+            f"--dcn {','.join(f'{n}={s}' for n, s in dcn_by_name.items())} spans {math.prod(dcn_shape)} slices"
+            f" but there are {num_slices}",
+            "make the DCN sizes multiply to --num-slices",
+        )
+    return MeshPlan(topology, tuple(names), tuple(ici_list), dcn_shape, num_slices)
+
+
+# -- sharding of one tensor ---------------------------------------------------------------------
+
+
+def parse_spec(text: str) -> tuple[object, ...]:
+    """`"data,model"` / `"data+model,None"` / `"-,model"` -> partition spec tuple."""
+    out: list[object] = []
+    for part in text.split(","):
+        p = part.strip()
+        if p in ("", "-", "None", "none", "_"):
+            out.append(None)
+        elif "+" in p:
+            out.append(tuple(a.strip() for a in p.split("+")))
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def parse_tensor_shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise MeshError(f"--shard '{text}' is not a shape", "write it as 1024x4096") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise MeshError(f"--shard '{text}' has a non-positive dimension", "write it as 1024x4096")
+    return dims
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How one tensor is split over a MeshPlan, as torch_xla `mark_sharding` would do it."""
+
+    tensor_shape: tuple[int, ...]
+    spec: tuple[object, ...]
+    tile_shape: tuple[int, ...]  # number of shards along each tensor dim
+    shard_shape: tuple[int, ...]  # ceil(dim / shards)
+    replicate: int  # copies of each shard (product of unused mesh axes)
+    tile_assignment: tuple[int, ...]  # device ids, row-major over tile_shape (+ replicate)
+    hlo: str
+
+    @staticmethod
+    def build(plan: MeshPlan, shape: tuple[int, ...], spec: tuple[object, ...]) -> "ShardingPlan":
+        if len(spec) != len(shape):
+            raise MeshError(
+                f"spec has {len(spec)} entries but the tensor has {len(shape)} dimensions",
+                "give one mesh axis (or None) per tensor dimension",
+            )
+        used: list[int] = []
+        tiles: list[int] = []
+        for entry in spec:
+            axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            n = 1
+            for a in axes:
+                idx = _axis_index(plan, a)
+                if idx in used:
+                    raise MeshError(f"mesh axis '{plan.axis_names[idx]}' used twice in the spec", "use each axis at most once")
+                used.append(idx)
+                n *= plan.shape[idx]
+            tiles.append(n)
+        unused = [i for i in range(len(plan.shape)) if i not in used]
+        replicate = math.prod(plan.shape[i] for i in unused)
+        perm = used + unused
+        ids = _transpose(plan.device_ids(), plan.shape, perm)
+        if replicate > 1:
+            # XLA's HloSharding::PartialTile sorts the devices of each replication group;
+            # do the same so the string matches what torch_xla reports.
+            ids = [d for g in range(0, len(ids), replicate) for d in sorted(ids[g:g + replicate])]
+        shard = tuple(-(-d // t) for d, t in zip(shape, tiles))
+        if math.prod(tiles) == 1:
+            hlo = "{replicated}"
+        else:
+            dims = list(tiles) + ([replicate] if replicate > 1 else [])
+            hlo = "{devices=[" + ",".join(map(str, dims)) + "]" + ",".join(map(str, ids))
+            hlo += " last_tile_dim_replicate}" if replicate > 1 else "}"
+        return ShardingPlan(shape, spec, tuple(tiles), shard, replicate, tuple(ids), hlo)
+
+    def blocks(self) -> list[tuple[tuple[tuple[int, int], ...], list[int]]]:
+        """Each distinct block of the tensor (index ranges per dim) and the devices holding it."""
+        out = []
+        for t in range(math.prod(self.tile_shape)):
+            tidx = _unravel(t, self.tile_shape)
+            ranges = tuple(
+                (i * s, min((i + 1) * s, d)) for i, s, d in zip(tidx, self.shard_shape, self.tensor_shape)
+            )
+            devs = list(self.tile_assignment[t * self.replicate:(t + 1) * self.replicate])
+            out.append((ranges, devs))
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "tensor_shape": list(self.tensor_shape),
+            "spec": [list(e) if isinstance(e, tuple) else e for e in self.spec],
+            "tile_shape": list(self.tile_shape),
+            "shard_shape": list(self.shard_shape),
+            "replicas_per_shard": self.replicate,
+            "padded": any(s * t != d for s, t, d in zip(self.shard_shape, self.tile_shape, self.tensor_shape)),
+            "hlo_sharding": self.hlo,
+            "blocks": [
+                {"index": [list(r) for r in ranges], "devices": devs} for ranges, devs in self.blocks()
+            ],
+        }
+
+
+def _axis_index(plan: MeshPlan, axis: object) -> int:
+    if isinstance(axis, int) and 0 <= axis < len(plan.shape):
+        return axis
+    if isinstance(axis, str) and axis in plan.axis_names:
+        return plan.axis_names.index(axis)
+    raise MeshError(
+        f"'{axis}' is not an axis of the mesh",
+        f"the axes are {', '.join(plan.axis_names)} (use None or - to replicate a dimension)",
+    )
+
+
+# -- small index helpers ------------------------------------------------------------------------
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
+    idx = []
+    for n in reversed(shape):
+        flat, r = divmod(flat, n)
+        idx.append(r)
+    return tuple(reversed(idx))
+
+
+def _ravel(idx: Sequence[int], shape: Sequence[int]) -> int:
+    flat = 0
+    for i, n in zip(idx, shape):
+        flat = flat * n + i
+    return flat
+
+
+def _nest(flat: list[int], shape: Sequence[int]) -> list:
+    if len(shape) == 1:
+        return list(flat)
+    step = math.prod(shape[1:])
+    return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+def _transpose(flat: list[int], shape: Sequence[int], perm: Sequence[int]) -> list[int]:
+    new_shape = [shape[p] for p in perm]
+    out = []
+    for k in range(math.prod(shape)):
+        new_idx = _unravel(k, new_shape)
+        old_idx = [0] * len(shape)
+        for j, p in enumerate(perm):
+            old_idx[p] = new_idx[j]
+        out.append(flat[_ravel(old_idx, shape)])
+    return out

@@ -1,0 +1,71 @@
+"""What a launched script sees: `tpulaunch.get_mesh()` and `tpulaunch.context()`.
+
+The host bootstrap (`tpulaunch/bootstrap.py`) installs these before the user's script runs.
+Outside a launch they raise a clear error instead of returning something half-right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tpulaunch.errors import LaunchError
+from tpulaunch.mesh import MeshPlan
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Facts about this process's place in the launch. Pure data."""
+
+    run_id: str
+    process_index: int  # = slice_index * hosts_per_slice + worker_id
+    num_processes: int
+    worker_id: int  # TPU worker id within the slice
+    slice_index: int
+    num_slices: int
+    slice_name: str
+    accelerator_type: str
+    topology: str
+    coordinator_address: str  # host:port of process 0 (torch.distributed / gloo)
+    framework: str
+    emulated: bool
+    log_dir: str
+    mesh_plan: MeshPlan
+
+    @property
+    def is_coordinator(self) -> bool:
+        """True on process 0: the one that should log, save, and report."""
+        return self.process_index == 0
+
+
+_STATE: dict[str, Any] = {"ctx": None, "mesh": None}
+
+_OUTSIDE = (
+    "not running under tpulaunch",
+    "launch the script with `tpulaunch run SCRIPT --topology ...` (or use"
+    " tpulaunch.mesh.plan_mesh() yourself)",
+)
+
+
+def _install(ctx: RunContext, mesh: Any) -> None:
+    _STATE["ctx"] = ctx
+    _STATE["mesh"] = mesh
+
+
+def context() -> RunContext:
+    """This process's RunContext. Raises LaunchError outside a tpulaunch launch."""
+    if _STATE["ctx"] is None:
+        raise LaunchError(*_OUTSIDE)
+    return _STATE["ctx"]
+
+
+def get_mesh() -> Any:
+    """The framework mesh built from the launch's MeshPlan (torch_xla `Mesh` or `jax.sharding.Mesh`)."""
+    if _STATE["mesh"] is None:
+        raise LaunchError(*_OUTSIDE)
+    return _STATE["mesh"]
+
+
+def get_mesh_plan() -> MeshPlan:
+    """The pure MeshPlan the driver planned (device placement, sharding strings)."""
+    return context().mesh_plan
