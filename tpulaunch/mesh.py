@@ -1,7 +1,7 @@
 """`MeshPlan`: the logical device mesh, planned on the driver from a `Topology` alone.
 
 A MeshPlan is a *recipe*, not a framework object: a handful of ints and strings (it pickles
-to well under a KB even for a 6144-chip pod). Every derived table (which physical device sits
+to under 2 KB even for a 6144-chip pod). Every derived table (which physical device sits
 at which mesh position, the HLO sharding of a tensor) is recomputed from those fields, so the
 driver and every host agent agree on it without shipping large arrays. The framework mesh
 (`torch_xla.distributed.spmd.Mesh`, `jax.sharding.Mesh`) is only ever built from it inside the
@@ -17,7 +17,8 @@ Placement rule (how mesh positions map to chips)
     1. Order the devices of one slice along a *torus walk*: hosts in boustrophedon ("snake")
        order over the host grid, and inside each host its chips in snake order over the host's
        chip block, cores innermost. Consecutive chips in the walk are torus neighbours inside
-       a host (and across the host boundary on 1D host grids, the common multi-host case).
+       a host (across a host boundary only sometimes: not, e.g., between the z-stacked hosts
+       of a 2x2xN slice).
     2. Fill the per-slice (ICI) mesh in row-major order from that walk. So the innermost axes
        step between neighbouring chips, like JAX's `mesh_utils.create_device_mesh`, and an
        inner block of `devices_per_host` positions is exactly one host: with the default
@@ -99,7 +100,7 @@ def _infer(axes: AxisSpec, total: int, what: str) -> tuple[int, ...]:
         return tuple(total // known if n == -1 else n for _, n in axes)
     if known != total:
         raise MeshError(
-            f"mesh {desc} has {known} positions but the slice has {total} {what}",
+            f"mesh {desc} has {known} positions but there are {total} {what}",
             f"choose sizes whose product is {total} (or use -1 for one axis)",
         )
     return tuple(n for _, n in axes)
@@ -397,7 +398,7 @@ class ShardingPlan:
         for t in range(math.prod(self.tile_shape)):
             tidx = _unravel(t, self.tile_shape)
             ranges = tuple(
-                (i * s, min((i + 1) * s, d)) for i, s, d in zip(tidx, self.shard_shape, self.tensor_shape)
+                (min(i * s, d), min((i + 1) * s, d)) for i, s, d in zip(tidx, self.shard_shape, self.tensor_shape)
             )
             devs = list(self.tile_assignment[t * self.replicate:(t + 1) * self.replicate])
             out.append((ranges, devs))

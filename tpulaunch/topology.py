@@ -289,7 +289,9 @@ def _chips_per_host_bounds(gen: Generation, dims3: Coord, chips_per_host: int | 
     chips = math.prod(dims3)
     shape = _shape_str(dims3 if gen.torus_dims == 3 else dims3[:2])
     if chips_per_host is not None:
-        if chips_per_host not in (1, 4, 8) or chips % chips_per_host:
+        # Only v5e/v6e have 1- and 8-chip VMs; every other generation's VM holds 4 chips.
+        allowed = (1, 4, 8) if gen.name in ("v5e", "v6e") else (4,)
+        if chips_per_host not in allowed or chips % chips_per_host:
             raise TopologyError(
                 f"--chips-per-host {chips_per_host} does not fit {gen.name} {shape}",
                 "use 4, or 8 for single-host v5e/v6e 2x4",
@@ -300,7 +302,7 @@ def _chips_per_host_bounds(gen: Generation, dims3: Coord, chips_per_host: int | 
             return (2, 2, 1)
         raise TopologyError(
             f"--chips-per-host {chips_per_host} does not fit {gen.name} {shape}",
-            "8 chips per host only exists for single-host v5e/v6e 2x4",
+            "1 or 8 chips per host only exist on single-host v5e/v6e (1x1, 2x4)",
         )
     if shape in gen.single_host_shapes:
         return dims3

@@ -54,6 +54,23 @@ def _register() -> None:
                 raise
 
 
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Typer >= 0.29 vendors its own click (`typer._click`); accept both copies."""
+    import click
+
+    usage: list[type] = [click.exceptions.ClickException]
+    abort: list[type] = [click.exceptions.Abort]
+    try:
+        from typer._click import exceptions as vendored  # type: ignore[import-not-found]
+
+        usage.append(vendored.ClickException)
+        if hasattr(vendored, "Abort"):
+            abort.append(vendored.Abort)
+    except ImportError:
+        pass
+    return tuple(usage), tuple(abort)
+
+
 def main() -> None:
     """Console-script entry point."""
     from tpulaunch.cli.output import Output
@@ -76,12 +93,11 @@ def main() -> None:
         Output().error("interrupted")
         sys.exit(ExitCode.INTERRUPTED)
     except Exception as e:  # noqa: BLE001 - last-resort handler
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
+        click_exc, abort_exc = _click_exception_types()
+        if isinstance(e, click_exc):
             e.show()
             sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
+        if isinstance(e, abort_exc):
             sys.exit(ExitCode.INTERRUPTED)
         if debug_enabled():
             import traceback

@@ -24,7 +24,7 @@ JSON_OPT = typer.Option(False, "--json", help="Print one JSON document on stdout
 
 @app.command("topology")
 def topology_cmd(
-    spec: Optional[str] = typer.Argument(None, metavar="[ACCELERATOR_OR_SHAPE]", help="v4-32, v6e-8, tpu7x-16, or 2x8."),
+    spec: Optional[str] = typer.Argument(None, metavar="ACCELERATOR_OR_SHAPE", help="v4-32, v6e-8, tpu7x-16, or 2x8."),
     topology: Optional[str] = TOPOLOGY_OPT,
     accelerator: Optional[str] = ACCEL_OPT,
     chips_per_host: Optional[int] = CHIPS_PER_HOST_OPT,

@@ -67,10 +67,10 @@ class Output:
             self.err.print(text, overflow="ignore", crop=False)
 
     def warn(self, text: str) -> None:
-        self.err.print(Text("warning: ", style="yellow bold") + Text(text))
+        self.err.print(Text("warning: ", style="yellow bold") + Text(text), soft_wrap=True)
 
     def error(self, text: str) -> None:
-        self.err.print(Text("error: ", style="red bold") + Text(text))
+        self.err.print(Text("error: ", style="red bold") + Text(text), soft_wrap=True)
 
     @contextlib.contextmanager
     def status(self, message: str) -> Iterator[Any]:

@@ -151,6 +151,8 @@ def mesh_lines(plan: MeshPlan) -> list[str]:
     labels, rows = _grid_rows(plan)
     out = [mesh_header(plan)]
     for label, row in zip(labels[:MAX_ROWS], rows[:MAX_ROWS]):
+        if len(plan.shape) == 1:
+            label = plan.axis_names[0]  # 1D: one row, the whole axis (not "-")
         out.append(f"{label}: " + " ".join(str(d) for d in row))
     if len(rows) > MAX_ROWS:
         out.append(f"... {len(rows) - MAX_ROWS} more rows (use --json for all)")

@@ -1,0 +1,60 @@
+"""Fakes that speak the real protocols (HTTP for the Cloud TPU API and the metadata server, an
+executable on PATH for gcloud), and helpers to run the real `tpulaunch` command against them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_BIN = Path(__file__).resolve().parent / "bin"
+PYTHON_BIN = str(Path(sys.executable).parent)  # has python3 (for the fake gcloud), never gcloud
+
+
+def hermetic_path(gcloud: bool = False) -> str:
+    """A PATH with no real gcloud on it (a machine may have /usr/bin/gcloud), or the fake one first."""
+    return os.pathsep.join([str(FAKE_BIN), PYTHON_BIN] if gcloud else [PYTHON_BIN])
+
+# Inherited variables that would let the host machine leak into a test.
+_SCRUB_PREFIXES = ("TPULAUNCH_", "GOOGLE_", "CLOUDSDK_", "GCE_", "FAKE_GCLOUD_", "NO_GCE_CHECK", "TPU_")
+
+
+def closed_port() -> int:
+    """A local TCP port nothing listens on (bound then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli_env(home: Path, *, gcloud: bool = False, **extra: str) -> dict[str, str]:
+    """A clean environment for the CLI: no host credentials/config, fake gcloud only if asked."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES)}
+    home.mkdir(parents=True, exist_ok=True)
+    env.update(
+        HOME=str(home),
+        PATH=hermetic_path(gcloud),
+        PYTHONPATH=str(REPO),
+        NO_COLOR="1",
+        COLUMNS="100",
+        NO_GCE_CHECK="true",  # google-auth must never probe a real metadata server from tests
+        GCE_METADATA_IP=f"127.0.0.1:{closed_port()}",
+        CLOUDSDK_CONFIG=str(home / "gcloud-config"),
+    )
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the real console entry (`python -m tpulaunch ...`) in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "tpulaunch", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+    )
+
+
+def flat(text: str) -> str:
+    """Whitespace-normalized text, so assertions survive terminal-width wrapping."""
+    return " ".join(text.split())

@@ -1,0 +1,152 @@
+"""`tpulaunch run SCRIPT [ARGS]...`: gang-launch a script on every host of a slice."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+from rich.text import Text
+
+from tpulaunch import session
+from tpulaunch.cli import app
+from tpulaunch.cli.cmd_mesh import DCN_OPT, MESH_OPT, NUM_SLICES_OPT
+from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
+from tpulaunch.cli.output import Output, host_color
+from tpulaunch.cli.slices import SLICE_OPTIONS
+from tpulaunch.errors import LaunchError
+from tpulaunch.runner import RunSummary
+
+
+class TerminalSink:
+    """Host lines as `[host 2] ...`: colored on a terminal, plain in a pipe, on stderr with --json."""
+
+    def __init__(self, out: Output, show: set[int] | None) -> None:
+        self.out = out
+        self.show = show
+        self.console = out.err if out.json_mode else out.out
+
+    def host_line(self, process: int, stream: str, text: str) -> None:
+        if self.show is not None and process not in self.show:
+            return
+        prefix = Text(f"[host {process}] ", style=host_color(process))
+        body = Text(text, style="red" if stream == "stderr" and self.console.is_terminal else "")
+        self.console.print(prefix + body, overflow="ignore", crop=False, soft_wrap=True)
+
+    def progress(self, message: str) -> None:
+        self.out.info(Text("tpulaunch: ", style="dim") + Text(message))
+
+
+def parse_hosts(value: str | None) -> set[int] | None:
+    if value is None or value == "all":
+        return None
+    try:
+        return {int(v) for v in value.split(",") if v.strip()}
+    except ValueError:
+        raise LaunchError(f"--hosts '{value}' is not a list of host numbers", "write --hosts 0 or --hosts 0,2 or --hosts all") from None
+
+
+def report(out: Output, summary: RunSummary) -> None:
+    """The end-of-run summary: JSON document, or one line per host plus the verdict."""
+    if out.json_mode:
+        out.json(summary.to_dict())
+        return
+    for h in summary.hosts:
+        note = " (stopped by tpulaunch)" if h.stopped_by_tpulaunch else ""
+        out.info(f"host {h.process_index} (slice {h.slice_index} worker {h.worker_id}): exit {h.exit_code}"
+                 f" in {h.wall_s:.1f} s{note}")
+    if summary.interrupted:
+        out.error(f"run {summary.run_id} interrupted ({summary.interrupted}); logs in {summary.log_dir}")
+    elif summary.first_failure:
+        f = summary.first_failure
+        out.error(f"host {f['process_index']} (slice {f['slice_index']} worker {f['worker_id']}) failed with exit code"
+                  f" {f['exit_code']}; its log: {f['log']}")
+    else:
+        out.info(f"run {summary.run_id}: all {len(summary.hosts)} host(s) exited 0; logs in {summary.log_dir}")
+
+
+def print_plan(out: Output, prep: session.Prepared) -> None:
+    plan = prep.plan
+    if out.json_mode:
+        out.json(plan.to_dict())
+        return
+    from tpulaunch.cli import render
+
+    kind = "EMULATED on this machine" if plan.emulated else "TPU"
+    out.line(f"run {plan.run_id}: {plan.script or ' '.join(plan.command)} on {len(plan.hosts)} host(s), {kind}")
+    out.line(f"framework: {plan.framework} ({prep.framework_reason})")
+    out.line(f"coordinator: {plan.coordinator_address}")
+    for line in render.mesh_lines(plan.mesh):
+        out.line(line)
+    for line in session.iter_env_lines(plan):
+        out.line(line)
+
+
+@app.command(
+    "run",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": False},
+)
+def run_cmd(
+    ctx: typer.Context,
+    script: str = typer.Argument(..., help="Python script to run on every host (inside the working directory)."),
+    script_args: Optional[List[str]] = typer.Argument(None, help="Arguments for the script (put them after --)."),
+    topology: Optional[str] = TOPOLOGY_OPT,
+    accelerator: Optional[str] = ACCEL_OPT,
+    chips_per_host: Optional[int] = CHIPS_PER_HOST_OPT,
+    tpu: Optional[str] = SLICE_OPTIONS["tpu"],
+    queued_resource: Optional[str] = SLICE_OPTIONS["queued_resource"],
+    zone: Optional[str] = SLICE_OPTIONS["zone"],
+    project: Optional[str] = SLICE_OPTIONS["project"],
+    force: bool = SLICE_OPTIONS["force"],
+    num_slices: Optional[int] = NUM_SLICES_OPT,
+    mesh: Optional[str] = MESH_OPT,
+    dcn: Optional[str] = DCN_OPT,
+    framework: str = typer.Option("auto", "--framework", "-f", help="torch_xla, jax, or auto (from the script's imports)."),
+    env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="Extra KEY=VALUE for every host (repeatable)."),
+    address: Optional[str] = typer.Option(
+        None, "--address", help="Join a Ray cluster: auto, HOST:PORT or ray://... (default: RAY_ADDRESS, else emulate)."
+    ),
+    no_dist: bool = typer.Option(False, "--no-dist", help="Do not start the torch.distributed (gloo) process group."),
+    hosts: Optional[str] = typer.Option(None, "--hosts", help="Hosts whose output reaches the terminal: all (default), 0, 0,2."),
+    log_dir: str = typer.Option("runs", "--log-dir", help="Where runs/<run-id>/host-<i>.log and summary.json go."),
+    workdir: str = typer.Option(".", "--workdir", help="Directory shipped to every host; the script runs there."),
+    schedule_timeout: float = typer.Option(120.0, "--schedule-timeout", help="Seconds to wait for Ray to give us the whole slice."),
+    max_upload_mb: float = typer.Option(100.0, "--max-upload-mb", help="Refuse to ship a working directory larger than this."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, env, mesh) and start nothing."),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Run SCRIPT under SPMD on every host of a slice; emulate the slice here when no TPU is in sight.
+
+    Example: `tpulaunch run train.py --topology 2x8 -- --steps 100`. Exit code: 0 when every host
+    exits 0, else the first failing host's code (130/143 when interrupted).
+    """
+    out = Output(json_mode=json_out)
+    req = session.LaunchRequest(
+        script=script, args=list(script_args or []) + list(ctx.args), topology=topology, accelerator=accelerator,
+        chips_per_host=chips_per_host, tpu=tpu, queued_resource=queued_resource, zone=zone, project=project,
+        force=force, num_slices=num_slices, mesh=mesh, dcn=dcn, framework=framework, env=list(env or []),
+        address=address, distributed=not no_dist, log_dir=log_dir, workdir=workdir,
+        schedule_timeout=schedule_timeout, max_upload_mb=max_upload_mb,
+    )
+    raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run))
+
+
+def run_request(out: Output, req: session.LaunchRequest, *, hosts: str | None, dry_run: bool) -> int:
+    """Shared by `run` and `exec`: plan, maybe print, launch, report. Returns the exit code."""
+    show = parse_hosts(hosts)
+    prep = session.prepare(req)
+    for note in prep.resolved.topology.notes:
+        out.info(f"note: {note}")
+    if dry_run:
+        print_plan(out, prep)
+        return 0
+    plan = prep.plan
+    if plan.emulated:
+        out.warn(
+            f"EMULATED slice: {plan.mesh.num_slices} x {plan.topology.accelerator_type} ({plan.topology.topology}),"
+            f" {len(plan.hosts)} host process(es) on this machine with CPU devices; this is not a TPU run"
+        )
+    if not req.command:
+        out.info(f"framework: {plan.framework} ({prep.framework_reason})")
+    summary = session.launch(prep, TerminalSink(out, show))
+    report(out, summary)
+    return summary.exit_code
