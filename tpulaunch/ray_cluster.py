@@ -302,6 +302,8 @@ def connect(info: ClusterInfo, runtime_env: dict | None = None) -> None:
 
     `runtime_env` (the user's working directory) is job-level: Ray uploads it once per run.
     """
+    if "ray" in sys.modules and info.token_path and os.environ.get("RAY_AUTH_TOKEN_PATH") != info.token_path:
+        raise ClusterError("internal: Ray was imported before its auth token was set", "report this bug")
     for k, v in info.ray_env().items():
         os.environ[k] = v
     import ray

@@ -1,0 +1,128 @@
+"""Launch benchmarks, all measured in one run on this machine; writes BENCHMARKS.md.
+
+Wall times of whole commands, as a user would see them (median of --repeat runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+TL = [PY, "-m", "tpulaunch"]
+
+
+def timed(cmd: list[str], env: dict | None = None, cwd: Path = REPO) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
+    dt = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"bench: {' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return dt, p.stdout + p.stderr
+
+
+def median_of(n: int, cmd: list[str], env: dict | None = None) -> float:
+    return statistics.median(timed(cmd, env)[0] for _ in range(n))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default=str(REPO / "BENCHMARKS.md"))
+    args = ap.parse_args()
+    n = args.repeat
+    home = tempfile.mkdtemp(prefix="tpl-bench-home-")
+    env = {**os.environ, "TPULAUNCH_HOME": home, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    noop = str((HERE / "noop.py").relative_to(REPO))
+    logs = ["--log-dir", os.path.join(home, "runs")]
+    rows: dict[str, float] = {}
+
+    print("bench: floor (python noop.py, 16 CPU devices, one process)", file=sys.stderr)
+    rows["floor"] = median_of(n, [PY, noop], {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "16"})
+    print("bench: cold launch (emulated 2x8, cluster started and stopped)", file=sys.stderr)
+    rows["cold"] = median_of(n, [*TL, "run", noop, "--topology", "2x8", *logs], env)
+    print("bench: warm launch (--address auto)", file=sys.stderr)
+    up, _ = timed([*TL, "cluster", "up", "--topology", "2x8"], env)
+    rows["cluster_up"] = up
+    try:
+        rows["warm"] = median_of(n, [*TL, "run", noop, "--topology", "2x8", "--address", "auto", *logs], env)
+    finally:
+        timed([*TL, "cluster", "down"], env)
+    print("bench: anchor (Ray Train TorchTrainer, 4 workers)", file=sys.stderr)
+    rows["anchor"] = median_of(n, [PY, str(HERE / "anchor_ray_train.py")], env)
+
+    print("bench: step time, 1-host slice (2x4, 8 devices): direct vs tpulaunch", file=sys.stderr)
+    step_args = ["--", "--steps", "25"]
+    _, out_direct = timed([PY, str(HERE / "step_time.py"), "--steps", "25"],
+                          {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "BENCH_TOPOLOGY": "2x4"})
+    _, out_tl = timed([*TL, "run", str((HERE / "step_time.py").relative_to(REPO)), "--topology", "2x4", *logs, *step_args], env)
+
+    def step(out: str) -> float:
+        m = re.search(r"STEP_TIME (\{.*\})", out)
+        if not m:
+            raise SystemExit("bench: no STEP_TIME in output:\n" + out[-2000:])
+        return json.loads(m.group(1))["mean_s"]
+
+    rows["step_direct"], rows["step_tpulaunch"] = step(out_direct), step(out_tl)
+
+    scaling = {}
+    for hosts, topo in ((1, ["--topology", "2x4"]), (2, ["--topology", "2x2x2", "--accelerator", "v4"]),
+                        (4, ["--topology", "2x8"]), (8, ["--topology", "4x8"])):
+        print(f"bench: cold launch, {hosts} emulated host(s)", file=sys.stderr)
+        scaling[hosts] = timed([*TL, "run", noop, *topo, *logs], env)[0]
+
+    today = datetime.date.today().isoformat()
+    cpu = platform.processor() or platform.machine()
+    md = f"""# Benchmarks
+
+Measured on {today} by `./scripts/bench` (median of {n} runs unless noted) on this machine:
+{os.cpu_count()} cores, {cpu}, Python {platform.python_version()}. Wall-clock seconds of whole commands.
+`noop.py` imports torch_xla, gets the 16-device mesh and exits. Emulated hosts share the 2 cores,
+so every emulated host's torch_xla import competes with the others'.
+
+## Launch time (emulated 2x8 = v6e-16, 4 hosts)
+
+| what | seconds | vs anchor |
+| --- | ---: | ---: |
+| floor: `python noop.py` in one process, same device count | {rows['floor']:.1f} | {rows['floor'] / rows['anchor']:.2f} |
+| cold: `tpulaunch run noop.py --topology 2x8` (starts and stops a 4-node Ray cluster) | {rows['cold']:.1f} | {rows['cold'] / rows['anchor']:.2f} |
+| warm: the same with `--address auto` on a cluster already up | {rows['warm']:.1f} | {rows['warm'] / rows['anchor']:.2f} |
+| anchor: Ray Train `TorchTrainer`, 4 workers, same no-op (one Ray node) | {rows['anchor']:.1f} | 1.00 |
+| `tpulaunch cluster up --topology 2x8` (once) | {rows['cluster_up']:.1f} | |
+
+Warm launch minus floor: {rows['warm'] - rows['floor']:.1f} s.
+
+## Step time (2D transformer recipe, 25 steps, first 5 dropped)
+
+| how | s/step | ratio |
+| --- | ---: | ---: |
+| directly, one process, 2x4 (8 CPU devices) | {rows['step_direct']:.3f} | 1.00 |
+| `tpulaunch run` on an emulated 2x4 (1 host, 8 devices) | {rows['step_tpulaunch']:.3f} | {rows['step_tpulaunch'] / rows['step_direct']:.3f} |
+
+## Launch time vs emulated hosts (cold, one run each)
+
+| hosts | topology | seconds |
+| ---: | --- | ---: |
+""" + "".join(
+        f"| {h} | {t} | {scaling[h]:.1f} |\n"
+        for h, t in ((1, "v6e 2x4"), (2, "v4 2x2x2"), (4, "v6e 2x8"), (8, "v6e 4x8"))
+    )
+    Path(args.out).write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
