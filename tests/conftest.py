@@ -45,3 +45,25 @@ def run_json(*args: str, **kw) -> dict:
     proc = run_cli(*args, "--json", **kw)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+def last_summary(log_root: Path) -> dict:
+    """summary.json of the newest run under a --log-dir."""
+    runs = sorted(log_root.iterdir())
+    assert runs, f"no run directory under {log_root}"
+    return json.loads((runs[-1] / "summary.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(tmp_path_factory):
+    """One warm emulated 2x8 cluster (`tpulaunch cluster up`) for every test that launches on it.
+
+    Yields {"env": env reaching it (TPULAUNCH_HOME), "info": the `cluster up --json` document}.
+    """
+    home = tmp_path_factory.mktemp("tpl-home")
+    env = cli_env(TPULAUNCH_HOME=str(home))
+    up = run_cli("cluster", "up", "--topology", "2x8", "--json", env=env, timeout=300)
+    assert up.returncode == 0, up.stderr
+    yield {"env": env, "info": json.loads(up.stdout), "home": home}
+    down = run_cli("cluster", "down", env=env, timeout=120)
+    assert down.returncode == 0, down.stderr

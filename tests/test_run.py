@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, run_cli
+from conftest import REPO, cli_env, last_summary, run_cli
 
 SCRIPTS = {
     "allreduce.py": """
@@ -56,25 +56,6 @@ def workdir(tmp_path_factory) -> Path:
     for name, body in SCRIPTS.items():
         (d / name).write_text(textwrap.dedent(body))
     return d
-
-
-@pytest.fixture(scope="session")
-def shared_cluster(tmp_path_factory):
-    """One warm emulated 2x8 cluster for the whole session; yields the env that reaches it."""
-    home = tmp_path_factory.mktemp("tpl-home")
-    env = cli_env(TPULAUNCH_HOME=str(home))
-    up = run_cli("cluster", "up", "--topology", "2x8", "--json", env=env, timeout=300)
-    assert up.returncode == 0, up.stderr
-    info = json.loads(up.stdout)
-    yield {"env": env, "info": info, "home": home}
-    down = run_cli("cluster", "down", env=env, timeout=120)
-    assert down.returncode == 0, down.stderr
-
-
-def _summary(log_root: Path) -> dict:
-    runs = sorted(log_root.iterdir())
-    assert runs, f"no run directory under {log_root}"
-    return json.loads((runs[-1] / "summary.json").read_text())
 
 
 def test_dry_run_json_lists_every_host_env(workdir):
@@ -174,7 +155,7 @@ def test_cluster_status_lists_the_slice(shared_cluster):
     (s,) = doc["slices"]
     assert s["name"] == "emulated" and s["pod_type"] == "v6e-16" and s["topology"] == "2x8"
     assert [h["worker_id"] for h in s["hosts"]] == [0, 1, 2, 3]
-    assert all(h["alive"] and h["tpu"] == 4 for h in s["hosts"])
+    assert all(h["alive"] and not h["busy"] for h in s["hosts"])
 
 
 def test_allreduce_over_gloo_sums_process_indices(shared_cluster, workdir, tmp_path):
@@ -184,7 +165,7 @@ def test_allreduce_over_gloo_sums_process_indices(shared_cluster, workdir, tmp_p
     for i in range(4):
         assert f"[host {i}] allreduce 6 rank {i} world 4 mesh (4, 4) emulated True" in proc.stdout, proc.stdout
     assert "EMULATED slice" in proc.stderr
-    summary = _summary(tmp_path)
+    summary = last_summary(tmp_path)
     assert summary["exit_code"] == 0 and [h["exit_code"] for h in summary["hosts"]] == [0, 0, 0, 0]
     for i in range(4):
         log = Path(summary["hosts"][i]["log"]).read_text()
@@ -198,7 +179,7 @@ def test_script_args_env_and_workdir_reach_hosts(shared_cluster, workdir, tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert "[host 0] ARGV ['--lr', '0.1', 'a b'] ENV on CWD_HAS_SCRIPT True" in proc.stdout
     assert "[host 1]" not in proc.stdout, "--hosts 0 must hide other hosts on the terminal"
-    summary = _summary(tmp_path)
+    summary = last_summary(tmp_path)
     assert "ARGV" in Path(summary["hosts"][3]["log"]).read_text(), "hidden hosts are still logged"
 
 
@@ -272,8 +253,27 @@ def test_sigint_stops_everything_and_exits_130(workdir, tmp_path):
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "interrupted" in err
-    summary = _summary(tmp_path / "runs")
+    summary = last_summary(tmp_path / "runs")
     # no Ray process of the run's cluster, no host process of the run, is left
     assert _processes_mentioning([*ours, f"TPULAUNCH_RUN_ID={summary['run_id']}"]) == []
     assert summary["interrupted"] == "SIGINT" and summary["exit_code"] == 130
     assert all("ready" in Path(h["log"]).read_text() for h in summary["hosts"])
+
+
+def test_exec_runs_a_command_on_every_host(shared_cluster, tmp_path):
+    proc = run_cli("exec", "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path), "--",
+                   sys.executable, "-c", "import os, socket; print('HOST', socket.gethostname(), os.environ['TPU_WORKER_ID'])",
+                   cwd=tmp_path, env=shared_cluster["env"])
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if " HOST " in line]
+    assert sorted(line.split()[:2] for line in lines) == [["[host", f"{i}]"] for i in range(4)], proc.stdout
+    assert all(line.endswith(f" {line[6]}") for line in lines), lines  # worker id matches the host number
+
+
+def test_exec_failure_gives_that_hosts_exit_code(shared_cluster, tmp_path):
+    proc = run_cli("exec", "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path), "--json", "--",
+                   sys.executable, "-c", "import os, sys; sys.exit(4 if os.environ['TPU_WORKER_ID'] == '1' else 0)",
+                   cwd=tmp_path, env=shared_cluster["env"])
+    assert proc.returncode == 4, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["first_failure"]["process_index"] == 1

@@ -106,8 +106,8 @@ class HostAgent:
             self._push(name, raw.decode("utf-8", "replace").rstrip("\r\n"))
         stream.close()
 
-    def poll(self, max_lines: int = 2000) -> tuple[list[tuple[str, str]], int | None, float]:
-        """New (stream, line) pairs, the exit code once the process ended (and output drained), wall time."""
+    def poll(self, max_lines: int = 2000) -> tuple[list[tuple[str, str]], int | None, float, float | None]:
+        """New (stream, line) pairs, the exit code once ended and drained, wall time, and when it ended."""
         code = None
         if self._proc is None:
             code = 127 if self._ended else None
@@ -121,7 +121,7 @@ class HostAgent:
             if self._lines:
                 code = None  # more to drain before reporting the end
         wall = (self._ended or time.time()) - self._started if self._started else 0.0
-        return out, code, wall
+        return out, code, wall, self._ended
 
     def _remove_state(self) -> None:
         if self._state_path:

@@ -79,7 +79,10 @@ def main(argv: list[str]) -> int:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        fw.shutdown()
+        if code == 0:
+            # A clean leave can be a barrier with the other hosts (jax.distributed.shutdown);
+            # a failed host must leave at once so the launch fails fast.
+            fw.shutdown()
     return code
 
 

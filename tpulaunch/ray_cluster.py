@@ -153,6 +153,9 @@ def ray_start_argv(
         "--dashboard-agent-listen-port", str(agent_listen), "--dashboard-agent-grpc-port", str(agent_grpc),
         "--runtime-env-agent-port", str(env_agent), "--metrics-export-port", str(metrics),
         "--disable-usage-stats",
+        # tpulaunch streams host output itself (log_to_driver=False), so Ray's per-node log
+        # monitor would only cost a Python process per emulated host.
+        "--include-log-monitor", "false",
     ]
     if head:
         argv += ["--head", "--port", str(ports[6]), "--ray-client-server-port", str(ports[7]),
@@ -222,19 +225,25 @@ def start_emulated(
 
 
 def cluster_pids(temp_dir: str) -> list[int]:
-    """Processes that belong to the Ray cluster living in `temp_dir` (they all name it in argv)."""
+    """Processes of the Ray cluster living in `temp_dir`.
+
+    Most name it in argv; some (Ray's client server) only inherit it in their environment
+    (`RAY_AUTH_TOKEN_PATH` points into it), so both are searched.
+    """
     me = os.getpid()
+    needle = temp_dir.encode()
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if temp_dir.encode() in cmd:
-            out.append(int(entry))
+        for part in ("cmdline", "environ"):
+            try:
+                with open(f"/proc/{entry}/{part}", "rb") as f:
+                    if needle in f.read():
+                        out.append(int(entry))
+                        break
+            except OSError:
+                break
     return out
 
 

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from tpulaunch.agent import HostAgent, dumps_state
 from tpulaunch.errors import ClusterError, ExitCode
@@ -249,7 +249,8 @@ def _supervise(plan, agents, results, logs, sink, sigs, grace_s):  # noqa: ANN00
             sink.progress(f"a host agent died: {str(e).splitlines()[0]}")
             first_failure = first_failure or results[idx[0]]
             break
-        for i, (lines, code, wall) in zip(idx, polled):
+        failed_now = []
+        for i, (lines, code, wall, ended) in zip(idx, polled):
             for stream, text in lines:
                 logs[plan.hosts[i].process_index].write(text + "\n")
                 sink.host_line(plan.hosts[i].process_index, stream, text)
@@ -257,13 +258,19 @@ def _supervise(plan, agents, results, logs, sink, sigs, grace_s):  # noqa: ANN00
             if code is not None:
                 results[i].exit_code = code
                 pending.discard(i)
-                if code != 0 and first_failure is None:
-                    first_failure = results[i]
-                    if pending:
-                        sink.progress(f"host {plan.hosts[i].process_index} exited {code}: stopping the other hosts")
-                        for j in pending:
-                            results[j].stopped_by_tpulaunch = True
-                        _stop_all([agents[j] for j in pending], grace_s)
+                if code != 0:
+                    failed_now.append((ended or time.time(), i))
+        if failed_now and first_failure is None:
+            # Several hosts can end in one poll (peers of a dead host error out of a collective
+            # within milliseconds): blame the one that ended first, not the first polled.
+            i = min(failed_now)[1]
+            first_failure = results[i]
+            if pending:
+                sink.progress(f"host {plan.hosts[i].process_index} exited {first_failure.exit_code}:"
+                              " stopping the other hosts")
+                for j in pending:
+                    results[j].stopped_by_tpulaunch = True
+                _stop_all([agents[j] for j in pending], grace_s)
         if pending:
             time.sleep(POLL_S)
     return first_failure, None
@@ -285,7 +292,7 @@ def _drain(agents, pending, results, logs, sink) -> None:  # noqa: ANN001 - inte
 
     for i in sorted(pending):
         try:
-            lines, code, wall = ray.get(agents[i].poll.remote(100000), timeout=10)
+            lines, code, wall, _ended = ray.get(agents[i].poll.remote(100000), timeout=10)
         except Exception:  # noqa: BLE001
             continue
         for stream, text in lines:

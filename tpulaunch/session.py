@@ -6,7 +6,6 @@ calls `prepare()` for the pure plan (that is all `--dry-run` needs), then `launc
 
 from __future__ import annotations
 
-import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,12 +85,15 @@ def prepare(req: LaunchRequest) -> Prepared:
             raise LaunchError(f"script {script} is outside the working directory {workdir}",
                               "run from the directory that holds it, or pass --workdir") from None
     cluster = ray_cluster.resolve_address(req.address)
-    resolved = resolve_slices(
-        topology=req.topology, accelerator=req.accelerator, chips_per_host=req.chips_per_host,
-        tpu=req.tpu, queued_resource=req.queued_resource, zone=req.zone, project=req.project,
-        num_slices=req.num_slices, dcn=req.dcn, force=req.force,
-        use_metadata=cluster is None or not cluster.emulated,
-    )
+    if cluster is not None and not cluster.emulated and not req.queued_resource:
+        resolved = _slices_from_ray(req, cluster)
+    else:
+        resolved = resolve_slices(
+            topology=req.topology, accelerator=req.accelerator, chips_per_host=req.chips_per_host,
+            tpu=req.tpu, queued_resource=req.queued_resource, zone=req.zone, project=req.project,
+            num_slices=req.num_slices, dcn=req.dcn, force=req.force,
+            use_metadata=cluster is None or not cluster.emulated,
+        )
     if cluster is not None and cluster.emulated and cluster.slices:
         resolved = _use_cluster_slices(resolved, cluster)
     emulated = resolved.emulated or (cluster is not None and cluster.emulated)
@@ -105,10 +107,27 @@ def prepare(req: LaunchRequest) -> Prepared:
     plan = build_plan(
         slices=list(resolved.slices), mesh=mesh, script=script, args=req.args, framework=fw,
         user_env=parse_env(req.env), run_id=run_id, coordinator_port=port, jax_coordinator_port=jax_port,
-        emulated=emulated, metadata_server=(resolved.source == "metadata"), distributed=req.distributed and not req.command,
+        emulated=emulated, metadata_server=(resolved.source in ("metadata", "ray")), distributed=req.distributed and not req.command,
         log_dir=str((Path(req.log_dir) / run_id).resolve()), workdir=str(workdir), command=tuple(req.command),
     )
     return Prepared(plan, resolved, cluster, reason, req.max_upload_mb, req.ship_workdir, req.schedule_timeout)
+
+
+def _slices_from_ray(req: LaunchRequest, cluster: ray_cluster.ClusterInfo) -> ResolvedSlices:
+    """On a real Ray cluster: the slices Ray's TPU labels describe; pick free ones that fit."""
+    from tpulaunch import ray_slices, topology
+
+    want = None
+    if req.topology or req.accelerator:
+        want = topology.resolve(topology=req.topology, accelerator=req.accelerator, chips_per_host=req.chips_per_host)
+    ray_cluster.connect(cluster)
+    try:
+        found = ray_slices.discover()
+    finally:
+        ray_cluster.disconnect()
+    chosen = ray_slices.choose(found, want=want, tpu=req.tpu, num_slices=req.num_slices or 1)
+    specs = tuple(s.to_spec(i) for i, s in enumerate(chosen))
+    return ResolvedSlices(specs[0].to_topology(req.chips_per_host), specs, False, "ray")
 
 
 def _use_cluster_slices(resolved: ResolvedSlices, cluster: ray_cluster.ClusterInfo) -> ResolvedSlices:

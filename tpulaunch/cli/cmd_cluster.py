@@ -58,36 +58,21 @@ def up(
 
 
 def _status_doc(info: ray_cluster.ClusterInfo) -> dict:
-    ray_cluster.connect(info)  # before `import ray`: Ray reads its auth settings from the env
-    import ray
+    from tpulaunch import ray_slices
 
+    ray_cluster.connect(info)  # before Ray is imported: it reads its auth settings from the env
     try:
-        nodes = ray.nodes()
-        try:
-            from ray._private.state import state as _state
-
-            avail = _state._available_resources_per_node()  # noqa: SLF001 - no public per-node view
-        except Exception:  # noqa: BLE001
-            avail = {}
+        found = ray_slices.discover()
     finally:
         ray_cluster.disconnect()
-    slices: dict[str, dict] = {}
-    for n in nodes:
-        labels = n.get("Labels") or {}
-        name = labels.get("ray.io/tpu-slice-name")
-        if not name:
-            continue
-        total = n["Resources"].get("TPU", 0.0)
-        free = avail.get(n["NodeID"], {}).get("TPU", total) if n.get("Alive") else 0.0
-        s = slices.setdefault(name, {"name": name, "pod_type": labels.get("ray.io/tpu-pod-type"),
-                                     "topology": labels.get("ray.io/tpu-topology"), "hosts": []})
-        s["hosts"].append({"worker_id": int(labels.get("ray.io/tpu-worker-id", -1)), "alive": bool(n.get("Alive")),
-                           "busy": bool(n.get("Alive")) and free < total, "tpu": total,
-                           "node_ip": n.get("NodeManagerAddress")})
-    for s in slices.values():
-        s["hosts"].sort(key=lambda h: h["worker_id"])
-    return {"schema": "tpulaunch.cluster-status/v1", "address": info.address, "emulated": info.emulated,
-            "slices": sorted(slices.values(), key=lambda s: s["name"])}
+    return {
+        "schema": "tpulaunch.cluster-status/v1", "address": info.address, "emulated": info.emulated,
+        "slices": [
+            {"name": s.name, "pod_type": s.pod_type, "topology": s.topology,
+             "hosts": [{"worker_id": w, "node_ip": ip, "alive": alive, "busy": busy} for w, ip, alive, busy in s.workers]}
+            for s in found
+        ],
+    }
 
 
 @cluster_app.command("status")
@@ -105,16 +90,16 @@ def status(
         return
     out.line(f"cluster {doc['address']}" + (" (EMULATED)" if doc["emulated"] else ""))
     table = Table()
-    for col in ("slice", "type", "topology", "worker", "alive", "busy", "TPU", "node"):
+    for col in ("slice", "type", "topology", "worker", "alive", "busy", "node"):
         table.add_column(col)
     for s in doc["slices"]:
         for h in s["hosts"]:
             row = [s["name"], s["pod_type"] or "", s["topology"] or "", str(h["worker_id"]),
-                   "yes" if h["alive"] else "NO", "yes" if h["busy"] else "no", f"{h['tpu']:g}", h["node_ip"] or ""]
+                   "yes" if h["alive"] else "NO", "yes" if h["busy"] else "no", h["node_ip"] or ""]
             if out.rich:
                 table.add_row(*row)
             else:
-                out.line(" ".join(f"{k}={v}" for k, v in zip(("slice", "type", "topology", "worker", "alive", "busy", "tpu", "node"), row)))
+                out.line(" ".join(f"{k}={v}" for k, v in zip(("slice", "type", "topology", "worker", "alive", "busy", "node"), row)))
     if out.rich:
         out.result(table)
 

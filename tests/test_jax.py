@@ -1,0 +1,285 @@
+"""The JAX adapter: real multi-process JAX (CPU devices, gloo) on an emulated 2x8 slice.
+
+The end-to-end tests share one warm emulated 2x8 cluster (`tpulaunch cluster up`, `--address auto`)
+(the session-wide `shared_cluster` fixture of conftest.py, also used by test_run.py). Each
+launch costs 20-40 s here, so one script checks many things in one run. JAX is never faked: the
+only stand-ins are plain dicts of device attributes fed to the pure id-mapping function, and a
+patched `find_spec` to simulate a machine without jax.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, cli_env, last_summary, run_cli
+from tpulaunch import frameworks, session
+from tpulaunch import mesh as M
+from tpulaunch import topology as T
+from tpulaunch.errors import LaunchError, MeshMismatchError
+from tpulaunch.frameworks.jax import ADAPTER, device_order
+
+# The global array every host builds with make_array_from_callback (and the test with numpy).
+SUM_SHAPE = (16, 12)
+
+
+def _global_array() -> np.ndarray:
+    return (np.arange(np.prod(SUM_SHAPE), dtype=np.int32).reshape(SUM_SHAPE) % 97) - 40
+
+
+SCRIPTS = {
+    # no `--framework`: auto-detection must pick jax from this import
+    "jax_checks.py": """
+        import json
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import tpulaunch
+
+        ctx = tpulaunch.context()
+        mesh = tpulaunch.get_mesh()
+        plan = tpulaunch.get_mesh_plan()
+        # the mesh is the plan: position by position, the planned process and its k-th local device
+        local = {}
+        for d in jax.devices():
+            local.setdefault(d.process_index, []).append(d)
+        for p in local:
+            local[p].sort(key=lambda d: d.id)
+        per_host = plan.topology.devices_per_host
+        matches = all(
+            mesh.devices.flat[i] == local[plan.device(pid).process][pid - plan.device(pid).process * per_host]
+            for i, pid in enumerate(plan.device_ids())
+        )
+        shape = SUM_SHAPE
+        glob = (np.arange(np.prod(shape), dtype=np.int32).reshape(shape) % 97) - 40
+        x = jax.make_array_from_callback(shape, NamedSharding(mesh, P("data", "model")), lambda idx: glob[idx])
+        total = jax.jit(lambda a: jnp.sum(a * a - 3 * a))(x)
+        print("CHECKS " + json.dumps({
+            "process_count": jax.process_count(), "device_count": jax.device_count(),
+            "local_device_count": jax.local_device_count(), "process_index": jax.process_index(),
+            "worker_id": ctx.worker_id, "tpulaunch_process_index": ctx.process_index,
+            "platform": jax.devices()[0].platform, "emulated": ctx.emulated, "framework": ctx.framework,
+            "mesh_shape": dict(mesh.shape), "mesh_is_plan": matches,
+            "sharded_shards": len(x.addressable_shards), "sum": int(total),
+        }), flush=True)
+    """.replace("SUM_SHAPE", repr(SUM_SHAPE)),
+    "jax_die.py": """
+        import sys, time
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import tpulaunch
+
+        ctx = tpulaunch.context()
+        mesh = tpulaunch.get_mesh()
+        x = jax.make_array_from_callback((16,), NamedSharding(mesh, P(tuple(mesh.axis_names))),
+                                         lambda idx: np.ones(16, np.int32)[idx])
+        print("collective", int(jax.jit(jnp.sum)(x)), flush=True)  # every host took part
+        if ctx.process_index == 1:
+            print("host 1 dying", flush=True)
+            sys.exit(7)
+        time.sleep(600)
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("jaxwork")
+    for name, body in SCRIPTS.items():
+        (d / name).write_text(textwrap.dedent(body))
+    return d
+
+
+# -- no runtime: plan, env, id mapping, missing jax ---------------------------------------------
+
+
+def test_emulation_env_gives_each_host_its_own_devices():
+    topo = T.resolve(None, topology="2x8")
+    env = ADAPTER.emulation_env(topo, 1)
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+    tpu7x = T.resolve("tpu7x-16")  # 2 devices per chip, 4 chips per host
+    assert ADAPTER.emulation_env(tpu7x, 2)["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+
+
+def test_dry_run_plans_the_jax_coordinator(workdir):
+    proc = run_cli("run", "jax_checks.py", "--topology", "2x8", "--dry-run", "--json", cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["framework"] == "jax"
+    addrs = {h["env"]["JAX_COORDINATOR_ADDRESS"] for h in plan["hosts"]}
+    assert len(addrs) == 1 and addrs.pop().startswith("127.0.0.1:")
+    for i, h in enumerate(plan["hosts"]):
+        env = h["env"]
+        assert env["JAX_PROCESS_ID"] == str(i) and env["JAX_NUM_PROCESSES"] == "4"
+        assert env["JAX_PLATFORMS"] == "cpu"
+        assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+        assert "CPU_NUM_DEVICES" not in env, "JAX hosts hold their own devices, not the whole slice"
+
+
+def _cpu_attrs(plan: M.MeshPlan, order: list[int]) -> list[dict]:
+    """What jax.devices() reports on CPU: per process, ids p*2048+k, listed in `order`."""
+    per = plan.topology.devices_per_host
+    out = [{"id": p * 2048 + k, "process_index": p, "platform": "cpu"}
+           for p in range(plan.num_processes) for k in range(per)]
+    return [out[i] for i in order]
+
+
+def test_cpu_device_order_follows_process_and_local_index():
+    plan = M.plan_mesh(T.resolve(None, topology="2x8"))
+    shuffled = [5, 0, 15, 9, 1, 2, 3, 4, 6, 7, 8, 10, 11, 12, 13, 14]
+    attrs = _cpu_attrs(plan, shuffled)
+    order = device_order(plan, attrs)
+    for flat, plan_id in enumerate(plan.device_ids()):
+        a = attrs[order[flat]]
+        assert a["process_index"] == plan_id // 4 and a["id"] == (plan_id // 4) * 2048 + plan_id % 4
+
+
+def test_tpu_device_order_matches_coords_core_and_slice():
+    # v4-16 x 2 slices: 2 hosts per slice, 4 chips (one device each) per host
+    plan = M.plan_mesh(T.resolve("v4-16"), "data=2,model=4", "data=2")
+    attrs = []
+    for dev_id in reversed(range(plan.num_devices)):  # JAX's order is not the plan's
+        d = plan.device(dev_id)
+        attrs.append({"id": 1000 + dev_id, "process_index": d.process, "platform": "tpu",
+                      "coords": d.chip, "core_on_chip": d.core, "slice_index": d.slice})
+    order = device_order(plan, attrs)
+    assert [attrs[i]["id"] - 1000 for i in order] == plan.device_ids()
+    # a chip on the wrong process (worker ids and process ids disagree) is refused
+    attrs[0] = dict(attrs[0], process_index=(attrs[0]["process_index"] + 1) % plan.num_processes)
+    with pytest.raises(MeshMismatchError, match="belongs to JAX process"):
+        device_order(plan, attrs)
+    # a chip the plan expects but the runtime lacks
+    with pytest.raises(MeshMismatchError, match="is not among JAX's devices"):
+        device_order(plan, attrs[1:])
+
+
+def _without_jax(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "jax" else real(name, *a, **k))
+
+
+def test_framework_jax_without_jax_installed_names_the_extra(monkeypatch, workdir):
+    _without_jax(monkeypatch)
+    with pytest.raises(LaunchError) as e:
+        frameworks.require_installed("jax")
+    assert e.value.line() == "--framework jax needs jax, which is not installed. pip install 'tpulaunch[jax]'"
+    # the same, from a launch request (explicit and auto-detected), before anything starts
+    monkeypatch.chdir(workdir)
+    for fw in ("jax", "auto"):
+        req = session.LaunchRequest(script="jax_checks.py", topology="2x8", framework=fw, workdir=str(workdir))
+        with pytest.raises(LaunchError) as e:
+            session.prepare(req)
+        assert "tpulaunch[jax]" in e.value.line()
+
+
+def test_build_mesh_checks_device_counts_and_single_host_boot():
+    """In a fresh process with 8 CPU devices: a 1-host v6e-8 boots without a coordinator and gets
+    its mesh; plans needing another device count, or another count per host, are refused."""
+    code = textwrap.dedent("""
+        import json
+        from tpulaunch import mesh as M, topology as T
+        from tpulaunch.launch import HostState
+        from tpulaunch.errors import MeshMismatchError
+        from tpulaunch.frameworks.jax import ADAPTER
+
+        def state(plan):
+            return HostState(run_id="r", process_index=0, num_processes=plan.num_processes, worker_id=0,
+                             slice_index=0, num_slices=1, slice_name="s", accelerator_type="x", topology="t",
+                             coordinator_address="127.0.0.1:1", framework="jax", emulated=True, distributed=True,
+                             log_dir="/tmp", script="x.py", args=(), mesh=plan)
+        out = {}
+        plan = M.plan_mesh(T.resolve("v6e-8"))
+        ADAPTER.boot(state(plan))
+        mesh = ADAPTER.build_mesh(plan, state(plan))
+        out["ok"] = [dict(mesh.shape), [d.id for d in mesh.devices.flat] == plan.device_ids()]
+        for name, topo in (("v6e-4", T.resolve("v6e-4")),
+                           ("two-vm", T.resolve(None, topology="2x4", accelerator="v5e", chips_per_host=4))):
+            p = M.plan_mesh(topo)
+            try:
+                ADAPTER.build_mesh(p, state(p))
+                out[name] = "built"
+            except MeshMismatchError as e:
+                out[name] = e.line()
+        ADAPTER.shutdown()
+        print(json.dumps(out))
+    """)
+    env = cli_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ok"] == [{"data": 8}, True]
+    assert out["v6e-4"].startswith("JAX has 8 devices but the planned mesh {'data': 4} needs 4"), out
+    assert out["two-vm"].startswith("JAX has 8 devices on this host but a v5litepod-8 host holds 4"), out
+
+
+# -- on the warm emulated slice -----------------------------------------------------------------
+
+
+@pytest.mark.cluster
+def test_auto_picks_jax_and_every_host_sees_the_global_runtime(shared_cluster, workdir, tmp_path):
+    proc = run_cli("run", "jax_checks.py", "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path),
+                   cwd=workdir, env=shared_cluster["env"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "framework: jax (the script imports jax)" in proc.stderr
+    assert "EMULATED slice" in proc.stderr
+    g = _global_array().astype(np.int64)
+    expected = int((g * g - 3 * g).sum())
+    seen = {}
+    for i in range(4):
+        m = re.search(rf"^\[host {i}\] CHECKS (.*)$", proc.stdout, re.M)
+        assert m, proc.stdout[-3000:]
+        seen[i] = json.loads(m.group(1))
+    for i, c in seen.items():
+        assert c["process_count"] == 4 and c["device_count"] == 16 and c["local_device_count"] == 4, c
+        assert c["process_index"] == c["worker_id"] == c["tpulaunch_process_index"] == i, c
+        assert c["platform"] == "cpu" and c["emulated"] is True and c["framework"] == "jax", c
+        assert c["mesh_shape"] == {"data": 4, "model": 4} and c["mesh_is_plan"] is True, c
+        assert c["sharded_shards"] == 4, c  # each host holds only its own shards
+        assert c["sum"] == expected, (c["sum"], expected)
+    assert last_summary(tmp_path)["exit_code"] == 0
+
+
+@pytest.mark.cluster
+def test_recipe_jax_mlp_loss_falls(shared_cluster, tmp_path):
+    proc = run_cli("run", "recipes/jax_mlp.py", "--topology", "2x8", "--address", "auto", "--framework", "jax",
+                   "--log-dir", str(tmp_path), "--", "--steps", "20", cwd=REPO, env=shared_cluster["env"], timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    curves = []
+    for i in range(4):
+        losses = [float(m) for m in re.findall(rf"\[host {i}\] host {i} step \d+ loss ([0-9.]+)", proc.stdout)]
+        assert len(losses) >= 3, proc.stdout
+        assert losses[-1] < losses[0] * 0.5, losses
+        curves.append(losses)
+    assert all(c == curves[0] for c in curves), "SPMD: every host reports the same global loss"
+
+
+@pytest.mark.cluster
+def test_a_dying_host_fails_the_jax_launch_fast(shared_cluster, workdir, tmp_path):
+    # A huge shutdown timeout: if a failed host waited in jax.distributed.shutdown's barrier
+    # (with hosts that never arrive), this run would hang instead of failing fast.
+    proc = run_cli("run", "jax_die.py", "--topology", "2x8", "--address", "auto", "--framework", "jax", "--json",
+                   "--env", "TPULAUNCH_JAX_SHUTDOWN_TIMEOUT=600", "--log-dir", str(tmp_path),
+                   cwd=workdir, env=shared_cluster["env"], timeout=300)
+    assert proc.returncode == 7, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["exit_code"] == 7 and summary["first_failure"]["process_index"] == 1
+    hosts = {h["process_index"]: h for h in summary["hosts"]}
+    assert hosts[1]["exit_code"] == 7 and hosts[1]["wall_s"] < 120, hosts[1]
+    for i in (0, 2, 3):
+        # JAX's preemption notifier catches SIGTERM, so a host may need tpulaunch's SIGKILL
+        assert hosts[i]["exit_code"] in (128 + signal.SIGTERM, 128 + signal.SIGKILL), hosts[i]
+        assert hosts[i]["stopped_by_tpulaunch"], hosts[i]
+    for i in range(4):
+        assert "collective 16" in Path(hosts[i]["log"]).read_text()
+    status = json.loads(run_cli("cluster", "status", "--json", env=shared_cluster["env"]).stdout)
+    assert not any(h["busy"] for h in status["slices"][0]["hosts"])

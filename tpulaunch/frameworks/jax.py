@@ -1,0 +1,188 @@
+"""JAX multi-controller adapter: `jax.distributed.initialize`, then a `jax.sharding.Mesh`.
+
+One process per TPU host drives all of the host's chips. Boot joins every host's process into
+one JAX runtime with explicit coordinates (coordinator, process count, process id = TPU worker id,
+plus `slice * hosts_per_slice` on multislice), never JAX's own cluster auto-detection: the
+launch plan, not the environment, decides who is who.
+
+Emulation is real multi-process JAX: each emulated host holds exactly its own chips' worth of
+CPU devices (`--xla_force_host_platform_device_count`), `jax.distributed.initialize` joins the
+hosts, and gloo carries the cross-host collectives. So `jax.device_count()` is the slice's
+device count and `jax.local_device_count()` is one host's, as on the TPU.
+
+Stopping: once initialized, JAX's preemption notifier catches SIGTERM (so training code can reach
+a preemption sync point and checkpoint). tpulaunch leaves that alone; a host it stops may need the
+SIGKILL that follows the grace period (exit 137 rather than 143).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+from tpulaunch.errors import LaunchError, MeshMismatchError
+
+if TYPE_CHECKING:
+    from tpulaunch.launch import HostState
+    from tpulaunch.mesh import MeshPlan
+    from tpulaunch.topology import Topology
+
+
+class Jax:
+    name = "jax"
+    extra = "jax"
+    import_name = "jax"
+    _initialized = False
+
+    def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
+        return {
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={topology.devices_per_host}",
+            "PJRT_DEVICE": "CPU",  # harmless for JAX; keeps torch_xla (if imported too) off the TPU path
+        }
+
+    def boot(self, state: "HostState") -> None:
+        import jax
+
+        if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+            # gloo carries cross-process collectives between CPU devices (emulation); on a TPU it
+            # only affects the host CPU backend. Must be set before the backends start.
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if state.num_processes > 1:
+            address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+            if not address:
+                raise LaunchError(
+                    "JAX_COORDINATOR_ADDRESS is not set on this host",
+                    "launch JAX scripts with --framework jax (or auto), which plans the JAX coordinator",
+                )
+            jax.distributed.initialize(
+                coordinator_address=address,
+                num_processes=state.num_processes,
+                process_id=state.process_index,
+                cluster_detection_method="deactivate",  # every value is explicit; detect nothing
+                initialization_timeout=int(_env_float("TPULAUNCH_JAX_INIT_TIMEOUT",
+                                                      _env_float("TPULAUNCH_DIST_TIMEOUT", 300))),
+            )
+            self._initialized = True
+        if jax.process_count() != state.num_processes or jax.process_index() != state.process_index:
+            raise MeshMismatchError(
+                f"JAX reports process {jax.process_index()} of {jax.process_count()},"
+                f" but tpulaunch launched process {state.process_index} of {state.num_processes}",
+                "the slice tpulaunch planned is not the slice JAX sees; check --tpu/--topology",
+            )
+
+    def build_mesh(self, plan: "MeshPlan", state: "HostState") -> Any:
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh
+
+        devices = jax.devices()
+        if len(devices) != plan.num_devices:
+            raise MeshMismatchError(
+                f"JAX has {len(devices)} devices but the planned mesh {dict(zip(plan.axis_names, plan.shape))}"
+                f" needs {plan.num_devices}",
+                "the slice does not match --topology/--num-slices",
+            )
+        local = jax.local_device_count()
+        if local != plan.topology.devices_per_host:
+            raise MeshMismatchError(
+                f"JAX has {local} devices on this host but a {plan.topology.accelerator_type} host"
+                f" holds {plan.topology.devices_per_host}",
+                "the slice does not match --topology/--accelerator",
+            )
+        order = device_order(plan, [device_attributes(d) for d in devices])
+        grid = np.array([devices[i] for i in order], dtype=object).reshape(plan.shape)
+        return Mesh(grid, plan.axis_names)
+
+    def shutdown(self) -> None:
+        """`jax.distributed.shutdown()` (a barrier with every host), bounded in time."""
+        if not self._initialized:
+            return
+        self._initialized = False
+        timeout = _env_float("TPULAUNCH_JAX_SHUTDOWN_TIMEOUT", 30.0)
+
+        def _shutdown() -> None:
+            try:
+                import jax
+
+                jax.distributed.shutdown()
+            except Exception as e:  # noqa: BLE001 - best effort on the way out
+                print(f"tpulaunch: jax.distributed.shutdown failed: {e}", file=sys.stderr)
+
+        t = threading.Thread(target=_shutdown, name="tpulaunch-jax-shutdown", daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            print(f"tpulaunch: jax.distributed.shutdown did not finish in {timeout:g} s; leaving anyway",
+                  file=sys.stderr)
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def device_attributes(device: Any) -> dict:
+    """The facts of one `jax.Device` the mapping needs, as plain data."""
+    out = {"id": int(device.id), "process_index": int(device.process_index), "platform": device.platform}
+    coords = getattr(device, "coords", None)
+    if coords is not None:
+        out["coords"] = tuple(int(c) for c in coords)
+        out["core_on_chip"] = int(getattr(device, "core_on_chip", 0) or 0)
+        out["slice_index"] = int(getattr(device, "slice_index", 0) or 0)
+    return out
+
+
+def device_order(plan: "MeshPlan", attributes: list[dict]) -> list[int]:
+    """Indices into `attributes` (one dict per `jax.devices()` entry) in row-major mesh order.
+
+    TPU devices carry `coords`, `core_on_chip` and `slice_index`: we match on those, so the mesh
+    is right whatever order JAX lists them in, and check that each device belongs to the process
+    the plan put it on. CPU devices (emulation) carry no coordinates: plan device `d` of process
+    `p` is the `d - p * devices_per_host`-th device of process `p`, by device id.
+    """
+    dph = plan.topology.devices_per_host
+    out: list[int] = []
+    if attributes and "coords" in attributes[0]:
+        index: dict[tuple, int] = {}
+        for i, a in enumerate(attributes):
+            index[(a.get("slice_index", 0), tuple(a["coords"]), a.get("core_on_chip", 0))] = i
+        for dev_id in plan.device_ids():
+            d = plan.device(dev_id)
+            i = index.get((d.slice, tuple(d.chip), d.core))
+            if i is None:
+                raise MeshMismatchError(
+                    f"planned device {dev_id} (slice {d.slice}, chip {d.chip}, core {d.core}) is not among JAX's devices",
+                    "the slice's physical layout differs from the plan; check --topology",
+                )
+            if attributes[i]["process_index"] != d.process:
+                raise MeshMismatchError(
+                    f"planned device {dev_id} (slice {d.slice}, chip {d.chip}) belongs to JAX process"
+                    f" {attributes[i]['process_index']}, but the plan puts it on process {d.process}",
+                    "TPU worker ids and JAX process ids disagree; check the slice's worker order",
+                )
+            out.append(i)
+        return out
+    by_process: dict[int, list[int]] = {}
+    for i, a in enumerate(attributes):
+        by_process.setdefault(a["process_index"], []).append(i)
+    for p in by_process:
+        by_process[p].sort(key=lambda i: attributes[i]["id"])
+    for dev_id in plan.device_ids():
+        d = plan.device(dev_id)
+        k = dev_id - d.process * dph
+        mine = by_process.get(d.process, [])
+        if not 0 <= k < len(mine):
+            raise MeshMismatchError(
+                f"planned device {dev_id} is device {k} of process {d.process}, which has {len(mine)} device(s)",
+                "the runtime's devices per host do not match the plan; check --topology",
+            )
+        out.append(mine[k])
+    return out
+
+
+ADAPTER = Jax()
