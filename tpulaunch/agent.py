@@ -27,6 +27,7 @@ import time
 # Variables Ray sets for sub-host TPU allocations; the plan decides these, not the actor's parent.
 _DROP = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "RAY_ADDRESS")
 _PR_SET_PDEATHSIG = 1
+EXIT_TPU_BUSY = 87  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
 
 
 def _die_with_parent() -> None:
@@ -53,6 +54,7 @@ class HostAgent:
         self._started = 0.0
         self._ended: float | None = None
         self._state_path: str | None = None
+        self._refused: int | None = None
 
     def info(self) -> dict:
         """Where this agent landed: node labels decide its process index, not scheduling order."""
@@ -70,8 +72,17 @@ class HostAgent:
             "pid": os.getpid(),
         }
 
-    def start(self, state: bytes, env: dict[str, str], command: list[str] | None = None) -> int:
-        """Start the host process. `state` is the pickled HostState; returns the child's pid."""
+    def start(self, state: bytes, env: dict[str, str], command: list[str] | None = None,
+              check_tpu: bool = False, kill_stale: bool = False) -> int:
+        """Start the host process. `state` is the pickled HostState; returns the child's pid.
+
+        With `check_tpu` (real TPU hosts), first make sure no leftover process holds the chips
+        (the failure users hit most after an interrupted run); `kill_stale` clears them.
+        """
+        if check_tpu and not self._tpu_free(kill_stale):
+            self._ended = self._started = time.time()
+            self._refused = EXIT_TPU_BUSY
+            return -1
         fd, path = tempfile.mkstemp(prefix="tpulaunch-host-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             f.write(state)
@@ -97,6 +108,21 @@ class HostAgent:
             self._readers.append(t)
         return self._proc.pid
 
+    def _tpu_free(self, kill_stale: bool) -> bool:
+        from tpulaunch import tpu_holders
+
+        report = tpu_holders.scan()
+        if report.clean:
+            return True
+        who = "; ".join(f"pid {h.pid} ({h.cmdline[:80]}) holds {', '.join(h.paths)}" for h in report.holders)
+        what = who or f"stale lockfile {report.lockfile}"
+        if not kill_stale:
+            self._push("stderr", f"tpulaunch: the TPU on this host is busy: {what}. Rerun with --kill-stale to clear it")
+            return False
+        result = tpu_holders.clear(report)
+        self._push("stderr", f"tpulaunch: --kill-stale: {what}; cleared {result}")
+        return not result["failed"]
+
     def _push(self, stream: str, text: str) -> None:
         with self._lock:
             self._lines.append((stream, text))
@@ -110,7 +136,7 @@ class HostAgent:
         """New (stream, line) pairs, the exit code once ended and drained, wall time, and when it ended."""
         code = None
         if self._proc is None:
-            code = 127 if self._ended else None
+            code = (self._refused or 127) if self._ended else None
         elif self._proc.poll() is not None and not any(t.is_alive() for t in self._readers):
             code = exit_code_of(self._proc.returncode)
             self._ended = self._ended or time.time()

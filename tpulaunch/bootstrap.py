@@ -51,6 +51,10 @@ def _exit_code(code: object) -> int:
 
 
 def main(argv: list[str]) -> int:
+    # Whole lines per write: unbuffered stdio writes a print's text and its newline separately,
+    # and native libraries (gloo, XLA) writing to the same pipe could land in between.
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=False)
     with open(argv[0], "rb") as f:
         state: HostState = pickle.load(f)
     fw = frameworks.get(state.framework)

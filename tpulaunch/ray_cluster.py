@@ -57,6 +57,9 @@ class ClusterInfo:
     emulated: bool
     slices: list[dict] = field(default_factory=list)  # SliceSpec.to_dict() of emulated slices
     created: float = field(default_factory=time.time)
+    # A cluster on a real slice (`cluster up --tpu`): where it runs, for status/down over gcloud ssh
+    # ({"tpu", "zone", "project", "port", "temp_dir", "python"}; see `ray_remote`). None otherwise.
+    remote: dict | None = None
 
     def ray_env(self) -> dict[str, str]:
         """Environment a process needs to talk to this cluster."""
@@ -236,15 +239,27 @@ def cluster_pids(temp_dir: str) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
-        for part in ("cmdline", "environ"):
-            try:
-                with open(f"/proc/{entry}/{part}", "rb") as f:
-                    if needle in f.read():
-                        out.append(int(entry))
-                        break
-            except OSError:
-                break
+        if _mentions(entry, needle, temp_dir):
+            out.append(int(entry))
     return out
+
+
+def _mentions(pid: str, needle: bytes, temp_dir: str) -> bool:
+    """argv, environment, or an open file inside temp_dir (Ray's agents rename their argv)."""
+    for part in ("cmdline", "environ"):
+        try:
+            with open(f"/proc/{pid}/{part}", "rb") as f:
+                if needle in f.read():
+                    return True
+        except OSError:
+            return False
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(temp_dir):
+                return True
+    except OSError:
+        pass
+    return False
 
 
 def stop_cluster(info: ClusterInfo, grace_s: float = 5.0) -> int:

@@ -139,6 +139,7 @@ def execute(
     *,
     schedule_timeout_s: float = 120.0,
     grace_s: float = 3.0,
+    kill_stale: bool = False,
 ) -> RunSummary:
     """Run the plan on the Ray cluster this process is connected to (see module docstring)."""
     import ray
@@ -180,7 +181,13 @@ def execute(
                     name=None, **opts,
                 ).remote(h.process_index))
             sink.progress("starting host agents")
-            infos = ray.get([a.info.remote() for a in agents], timeout=schedule_timeout_s)
+            try:
+                infos = ray.get([a.info.remote() for a in agents], timeout=schedule_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise ClusterError(
+                    f"the host agents did not start within {schedule_timeout_s:.0f} s",
+                    "Ray could not start their worker processes; see the raylet logs of the cluster",
+                ) from None
             for h, info, r in zip(plan.hosts, infos, results):
                 r.node_ip = info["node_ip"]
                 got = (info["labels"].get(LABEL_SLICE), info["labels"].get(LABEL_WORKER))
@@ -190,7 +197,8 @@ def execute(
                         "the cluster's TPU labels are inconsistent; restart it",
                     )
             timings["agents_s"] = time.time() - t0
-            ray.get([a.start.remote(dumps_state(HostState.for_host(plan, h)), h.env, list(plan.command) or None)
+            ray.get([a.start.remote(dumps_state(HostState.for_host(plan, h)), h.env, list(plan.command) or None,
+                                    not plan.emulated, kill_stale)
                      for a, h in zip(agents, plan.hosts)])
             sink.progress(f"running on {len(agents)} host(s)")
             first_failure, interrupted = _supervise(plan, agents, results, logs, sink, sigs, grace_s)

@@ -17,6 +17,7 @@ from tpulaunch.launch import LaunchPlan, build_plan, new_run_id, parse_env
 from tpulaunch.mesh import plan_mesh
 from tpulaunch.resolve import ResolvedSlices, resolve_slices
 from tpulaunch.runner import RunSummary, Sink, execute, workdir_runtime_env
+from tpulaunch.slicespec import SliceSpec
 
 
 @dataclass
@@ -45,6 +46,7 @@ class LaunchRequest:
     schedule_timeout: float = 120.0
     max_upload_mb: float = 100.0
     ship_workdir: bool = True
+    kill_stale: bool = False
     run_id: str | None = None
 
 
@@ -57,6 +59,8 @@ class Prepared:
     max_upload_mb: float = 100.0
     ship_workdir: bool = True
     schedule_timeout: float = 120.0
+    notes: tuple[str, ...] = ()
+    kill_stale: bool = False
 
 
 def _framework(req: LaunchRequest, workdir: Path) -> tuple[str, str]:
@@ -94,8 +98,19 @@ def prepare(req: LaunchRequest) -> Prepared:
             num_slices=req.num_slices, dcn=req.dcn, force=req.force,
             use_metadata=cluster is None or not cluster.emulated,
         )
+    notes: list[str] = []
     if cluster is not None and cluster.emulated and cluster.slices:
         resolved = _use_cluster_slices(resolved, cluster)
+    if resolved.source == "tpu-api" and cluster is None:
+        # Found through the API but nothing to run on from here: rehearse it on this machine.
+        t = resolved.topology
+        notes.append(
+            f"no Ray cluster given (--address): emulating the discovered slice {resolved.slices[0].name}"
+            f" ({t.accelerator_type}, {t.topology}) on this machine"
+        )
+        resolved = ResolvedSlices(
+            t, tuple(SliceSpec.emulated_from(t, s.name, i) for i, s in enumerate(resolved.slices)), True, "tpu-api"
+        )
     emulated = resolved.emulated or (cluster is not None and cluster.emulated)
     fw, reason = _framework(req, workdir)
     if not req.command:
@@ -110,7 +125,8 @@ def prepare(req: LaunchRequest) -> Prepared:
         emulated=emulated, metadata_server=(resolved.source in ("metadata", "ray")), distributed=req.distributed and not req.command,
         log_dir=str((Path(req.log_dir) / run_id).resolve()), workdir=str(workdir), command=tuple(req.command),
     )
-    return Prepared(plan, resolved, cluster, reason, req.max_upload_mb, req.ship_workdir, req.schedule_timeout)
+    return Prepared(plan, resolved, cluster, reason, req.max_upload_mb, req.ship_workdir, req.schedule_timeout,
+                    tuple(notes), req.kill_stale)
 
 
 def _slices_from_ray(req: LaunchRequest, cluster: ray_cluster.ClusterInfo) -> ResolvedSlices:
@@ -132,7 +148,7 @@ def _slices_from_ray(req: LaunchRequest, cluster: ray_cluster.ClusterInfo) -> Re
 
 def _use_cluster_slices(resolved: ResolvedSlices, cluster: ray_cluster.ClusterInfo) -> ResolvedSlices:
     """On a warm emulated cluster, run on its slices (their names are what its nodes carry)."""
-    from tpulaunch.slicespec import SliceSpec, WorkerEndpoint
+    from tpulaunch.slicespec import WorkerEndpoint
 
     specs = []
     for d in cluster.slices:
@@ -179,7 +195,7 @@ def launch(prep: Prepared, sink: Sink, *, dashboard: bool = False) -> RunSummary
         runtime_env = workdir_runtime_env(plan.workdir, prep.max_upload_mb) if prep.ship_workdir else None
         ray_cluster.connect(cluster, runtime_env)
         signal.signal(signal.SIGTERM, old_term)
-        return execute(plan, sink, schedule_timeout_s=prep.schedule_timeout)
+        return execute(plan, sink, schedule_timeout_s=prep.schedule_timeout, kill_stale=prep.kill_stale)
     except _Terminated:
         from tpulaunch.errors import ClusterError, ExitCode
 

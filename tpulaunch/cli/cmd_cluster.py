@@ -9,7 +9,9 @@ from rich.table import Table
 
 from tpulaunch import ray_cluster
 from tpulaunch.cli import app
+from tpulaunch.cli import cmd_cluster_remote as remote
 from tpulaunch.cli.cmd_mesh import NUM_SLICES_OPT
+from tpulaunch.cli.cmd_slice import PROJECT_OPT, ZONE_OPT
 from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
 from tpulaunch.cli.output import Output
 from tpulaunch.errors import ClusterError
@@ -17,6 +19,7 @@ from tpulaunch.resolve import resolve_slices
 
 cluster_app = typer.Typer(help="Start, inspect and stop the Ray cluster runs use.", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
+remote.register(cluster_app)  # `cluster join`, `cluster doctor`
 
 
 @cluster_app.command("up")
@@ -27,14 +30,30 @@ def up(
     num_slices: Optional[int] = NUM_SLICES_OPT,
     name: str = typer.Option("emulated", "--name", help="Slice name the emulated hosts carry (ray.io/tpu-slice-name)."),
     dashboard: bool = typer.Option(False, "--dashboard", help="Also start Ray's dashboard (bound to 127.0.0.1)."),
+    tpu: Optional[str] = typer.Option(None, "--tpu", help="A real TPU VM slice (node name): bring Ray up on its workers over gcloud ssh."),
+    zone: Optional[str] = ZONE_OPT,
+    project: Optional[str] = PROJECT_OPT,
+    port: int = typer.Option(remote.RAY_PORT_DEFAULT, "--port", help="--tpu: the Ray head's GCS port on worker 0."),
+    remote_python: str = typer.Option(remote.REMOTE_PYTHON_DEFAULT, "--remote-python",
+                                      help="--tpu: the Python on the TPU VMs that has Ray installed."),
+    ray_temp_dir: Optional[str] = typer.Option(None, "--ray-temp-dir",
+                                               help="--tpu: Ray's temp dir on the VMs (default /tmp/tpl-<hash>)."),
     json_out: bool = JSON_OPT,
 ) -> None:
-    """Start an emulated slice cluster on this machine and leave it running.
+    """Start a Ray cluster and leave it running: emulated on this machine, or on a real slice (--tpu).
 
     Then `tpulaunch run SCRIPT --address auto` reuses it; `tpulaunch cluster down` stops it.
+    With --tpu, hosts already in the cluster are left alone, so running it again is safe.
     """
     out = Output(json_mode=json_out)
+    if tpu:
+        remote.up_remote(out, tpu, zone, project, port=port, python=remote_python, temp_dir=ray_temp_dir,
+                         dashboard=dashboard, topology=topology, accelerator=accelerator, json_out=json_out)
+        return
     rec = ray_cluster.load_record()
+    if rec is not None and rec.remote:
+        raise ClusterError(f"a cluster on TPU '{rec.remote['tpu']}' is recorded as up",
+                           "stop it first with `tpulaunch cluster down`")
     if rec is not None and rec.temp_dir and ray_cluster.cluster_pids(rec.temp_dir):
         raise ClusterError(f"a cluster is already up at {rec.address}", "stop it first with `tpulaunch cluster down`")
     resolved = resolve_slices(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
@@ -58,6 +77,8 @@ def up(
 
 
 def _status_doc(info: ray_cluster.ClusterInfo) -> dict:
+    if info.remote:
+        return remote.status_doc_remote(info)
     from tpulaunch import ray_slices
 
     ray_cluster.connect(info)  # before Ray is imported: it reads its auth settings from the env
@@ -111,6 +132,9 @@ def down(json_out: bool = JSON_OPT) -> None:
     rec = ray_cluster.load_record()
     if rec is None:
         raise ClusterError("no cluster is recorded as up", "nothing to stop (`tpulaunch cluster up` starts one)")
+    if rec.remote:
+        remote.down_remote(out, rec, json_out)
+        return
     n = ray_cluster.stop_cluster(rec)
     ray_cluster.clear_record()
     if json_out:

@@ -33,6 +33,9 @@ def exec_cmd(
     log_dir: str = typer.Option("runs", "--log-dir", help="Where runs/<run-id>/host-<i>.log go."),
     workdir: str = typer.Option(".", "--workdir", help="Directory shipped to every host; the command runs there."),
     no_ship: bool = typer.Option(False, "--no-ship", help="Do not ship the working directory."),
+    kill_stale: bool = typer.Option(
+        False, "--kill-stale", help="On TPU hosts, kill leftover processes holding the chips (and a stale libtpu lockfile)."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and start nothing."),
     json_out: bool = JSON_OPT,
 ) -> None:
@@ -46,6 +49,6 @@ def exec_cmd(
     req = session.LaunchRequest(
         command=list(command), topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
         tpu=tpu, zone=zone, project=project, force=force, num_slices=num_slices, env=list(env or []),
-        address=address, distributed=False, log_dir=log_dir, workdir=workdir, ship_workdir=not no_ship,
+        kill_stale=kill_stale, address=address, distributed=False, log_dir=log_dir, workdir=workdir, ship_workdir=not no_ship,
     )
     raise typer.Exit(run_request(Output(json_mode=json_out), req, hosts=hosts, dry_run=dry_run))

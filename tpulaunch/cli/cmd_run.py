@@ -111,6 +111,9 @@ def run_cmd(
     workdir: str = typer.Option(".", "--workdir", help="Directory shipped to every host; the script runs there."),
     schedule_timeout: float = typer.Option(120.0, "--schedule-timeout", help="Seconds to wait for Ray to give us the whole slice."),
     max_upload_mb: float = typer.Option(100.0, "--max-upload-mb", help="Refuse to ship a working directory larger than this."),
+    kill_stale: bool = typer.Option(
+        False, "--kill-stale", help="On TPU hosts, kill leftover processes holding the chips (and a stale libtpu lockfile)."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, env, mesh) and start nothing."),
     json_out: bool = JSON_OPT,
 ) -> None:
@@ -124,7 +127,7 @@ def run_cmd(
         script=script, args=list(script_args or []) + list(ctx.args), topology=topology, accelerator=accelerator,
         chips_per_host=chips_per_host, tpu=tpu, queued_resource=queued_resource, zone=zone, project=project,
         force=force, num_slices=num_slices, mesh=mesh, dcn=dcn, framework=framework, env=list(env or []),
-        address=address, distributed=not no_dist, log_dir=log_dir, workdir=workdir,
+        kill_stale=kill_stale, address=address, distributed=not no_dist, log_dir=log_dir, workdir=workdir,
         schedule_timeout=schedule_timeout, max_upload_mb=max_upload_mb,
     )
     raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run))
@@ -134,7 +137,7 @@ def run_request(out: Output, req: session.LaunchRequest, *, hosts: str | None, d
     """Shared by `run` and `exec`: plan, maybe print, launch, report. Returns the exit code."""
     show = parse_hosts(hosts)
     prep = session.prepare(req)
-    for note in prep.resolved.topology.notes:
+    for note in (*prep.resolved.topology.notes, *prep.notes):
         out.info(f"note: {note}")
     if dry_run:
         print_plan(out, prep)

@@ -4,7 +4,8 @@ Sources, each in its own module (one external system per module):
 
 * `tpu_api`: the Cloud TPU API (from a laptop, CI, or any host with credentials);
 * `metadata`: the GCE metadata server (on a TPU VM, no credentials needed);
-* `gcloud`: the active gcloud configuration, for project/zone defaults only.
+* `tpulaunch.gcloud` (top level: the one module that runs gcloud): the active gcloud
+  configuration, for project/zone defaults only.
 
 Everything returns a `SliceSpec`; nothing here imports google.cloud at module load.
 """
@@ -48,7 +49,7 @@ def resolve_project_zone(
 
     gcloud is only asked for what is still missing, so a fully specified command never runs it.
     """
-    from tpulaunch.discovery import gcloud
+    from tpulaunch import gcloud
 
     prov: dict[str, str] = {}
 

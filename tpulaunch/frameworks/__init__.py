@@ -64,12 +64,19 @@ def require_installed(name: str) -> None:
 
 def detect(script_text: str) -> tuple[str, str]:
     """Pick a framework from what a script imports. Returns (name, reason)."""
-    import re
+    import ast
 
-    uses_jax = re.search(r"^\s*(import jax\b|from jax\b)", script_text, re.M) is not None
-    uses_xla = re.search(r"^\s*(import torch_xla\b|from torch_xla\b)", script_text, re.M) is not None
-    if uses_jax and not uses_xla:
+    roots: set[str] = set()
+    try:
+        for node in ast.walk(ast.parse(script_text)):
+            if isinstance(node, ast.Import):
+                roots.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                roots.add(node.module.split(".")[0])
+    except SyntaxError:
+        return "torch_xla", "the script does not parse; defaulting to torch_xla"
+    if "jax" in roots and "torch_xla" not in roots:
         return "jax", "the script imports jax"
-    if uses_xla:
+    if "torch_xla" in roots:
         return "torch_xla", "the script imports torch_xla"
     return "torch_xla", "the script imports neither jax nor torch_xla; defaulting to torch_xla"

@@ -1,0 +1,323 @@
+"""Real-slice bring-up (`cluster up --tpu`, `status`, `down`, `join`, `doctor`) against the fakes.
+
+The fake Cloud TPU API serves a v4-32 (2x2x4, 4 workers); the fake `gcloud` runs each worker's
+command on this machine with that worker's TPU env (see tests/fakes/bin/gcloud for how 4 workers
+share one machine). Ray itself is real: 4 raylets, token auth on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+try:
+    from tests.fakes import FAKE_BIN, closed_port, cli_env, hermetic_path, run_cli
+    from tests.fakes.metadata_server import FakeMetadataServer
+    from tests.fakes.tpu_api_server import FakeTpuApi, standard_nodes
+except ImportError:  # tests/ on sys.path instead of the repo root
+    from fakes import FAKE_BIN, closed_port, cli_env, hermetic_path, run_cli
+    from fakes.metadata_server import FakeMetadataServer
+    from fakes.tpu_api_server import FakeTpuApi, standard_nodes
+
+from tpulaunch import gcloud, ray_remote, topology, tpu_holders
+
+ZONE = "us-central2-b"
+
+
+def slices_json(nodes: list[dict]) -> dict:
+    """What the fake gcloud needs, from the same fixture the fake API serves."""
+    out = {}
+    for n in nodes:
+        _, project, _, zone, _, name = n["name"].split("/")
+        acc = n.get("acceleratorType") or ""
+        topo = (n.get("acceleratorConfig") or {}).get("topology") or ""
+        if not acc or not topo or not n.get("networkEndpoints"):
+            continue
+        out[f"{project}/{zone}/{name}"] = {
+            "accelerator_type": acc, "topology": topo,
+            "chips_per_host": topology.resolve(topology=topo, accelerator=acc).chips_per_host,
+            "worker_ips": [e["ipAddress"] for e in n["networkEndpoints"]],
+        }
+    return out
+
+
+def recorded(log: Path) -> list[list[str]]:
+    return [json.loads(line)["argv"] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def ssh_commands(log: Path) -> list[tuple[int, str]]:
+    """(worker, command) of every recorded `tpu-vm ssh`."""
+    out = []
+    for argv in recorded(log):
+        if argv[:4] == ["compute", "tpus", "tpu-vm", "ssh"]:
+            w = next(a for a in argv if a.startswith("--worker="))
+            out.append((int(w.split("=")[1]), argv[argv.index("--command") + 1]))
+    return out
+
+
+def procs_of(temp_dir: str) -> list[int]:
+    """Live processes naming the cluster's temp dir in argv or holding a file open in it."""
+    out = []
+    for e in os.listdir("/proc"):
+        if not e.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+                continue
+            hit = temp_dir.encode() in Path(f"/proc/{e}/cmdline").read_bytes()
+            if not hit:
+                for fd in os.listdir(f"/proc/{e}/fd"):
+                    try:
+                        if os.readlink(f"/proc/{e}/fd/{fd}").startswith(temp_dir + "/"):
+                            hit = True
+                            break
+                    except OSError:
+                        pass
+        except OSError:
+            continue
+        if hit:
+            out.append(int(e))
+    return out
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory):
+    """Fake API + fake gcloud env, a fresh TPULAUNCH_HOME/HOME; the Ray cluster is stopped at the end."""
+    base = tmp_path_factory.mktemp("remote")
+    nodes = standard_nodes()
+    sl = base / "slices.json"
+    sl.write_text(json.dumps(slices_json(nodes)))
+    temp_dir = f"/tmp/tplt-{uuid.uuid4().hex[:8]}"
+    port = closed_port()
+    with FakeTpuApi(nodes) as api:
+        env = cli_env(base / "home", gcloud=True, TPULAUNCH_HOME=str(base / "tplhome"),
+                      TPULAUNCH_TPU_API_ENDPOINT=api.url, FAKE_GCLOUD_LOG=str(base / "gcloud.log"),
+                      FAKE_GCLOUD_SLICES=str(sl))
+        ctx = {"env": env, "log": base / "gcloud.log", "temp_dir": temp_dir, "port": port, "base": base}
+        try:
+            yield ctx
+        finally:
+            left = procs_of(temp_dir)
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for pid in procs_of(temp_dir):
+                    try:
+                        os.kill(pid, sig)
+                    except OSError:
+                        pass
+                time.sleep(2)
+            subprocess.run(["rm", "-rf", temp_dir], check=False)
+            assert not left, f"cluster processes left behind: {left}"
+
+
+def up_args(ctx) -> list[str]:
+    return ["cluster", "up", "--tpu", "my-v4", "--zone", ZONE, "--project", "p",
+            "--port", str(ctx["port"]), "--ray-temp-dir", ctx["temp_dir"], "--json"]
+
+
+def test_up_status_idempotent_down(remote):
+    env, log, tdir = remote["env"], remote["log"], remote["temp_dir"]
+    t0 = time.monotonic()
+    p = run_cli(*up_args(remote), env=env, timeout=240)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["address"] == f"10.130.0.2:{remote['port']}" and doc["emulated"] is False
+    assert doc["remote"]["tpu"] == "my-v4"
+    # Piped: one plain progress line per host state change.
+    for w in range(4):
+        assert f"worker {w}: " in p.stderr
+    assert "worker 0: head up" in p.stderr and "worker 3: joined" in p.stderr
+
+    cmds = ssh_commands(log)
+    starts = [(w, c) for w, c in cmds if "ray.scripts.scripts start" in c]
+    assert sorted(w for w, _ in starts) == [0, 1, 2, 3]
+    token = Path(doc["token_path"]).read_text().strip()
+    assert len(token) == 64
+    assert stat.S_IMODE(os.stat(doc["token_path"]).st_mode) == 0o600
+    for w, c in starts:
+        assert "RAY_AUTH_MODE=token" in c and "RAY_AUTH_TOKEN_PATH=" in c
+        assert "cat > " in c and "umask 077" in c
+        assert token not in c  # the secret went over stdin, never argv
+        assert f"--node-ip-address 10.130.0.{w + 2}" in c  # the worker's internal IP from the API
+        assert "--dashboard-agent-listen-port 0" in c
+        if w == 0:
+            assert "--head" in c and f"--port {remote['port']}" in c and "--dashboard-host 127.0.0.1" in c
+        else:
+            assert f"--address 10.130.0.2:{remote['port']}" in c
+    assert all(token not in " ".join(a) for a in recorded(log))
+    remote_tok = Path(env["HOME"]) / ".tpulaunch" / "ray_token"
+    assert remote_tok.read_text().strip() == token
+    assert stat.S_IMODE(remote_tok.stat().st_mode) == 0o600
+
+    # status --json: 4 alive hosts of one slice, asked of the head through worker 0.
+    s = run_cli("cluster", "status", "--json", env=env, timeout=120)
+    assert s.returncode == 0, s.stderr
+    st = json.loads(s.stdout)
+    assert [sl["name"] for sl in st["slices"]] == ["my-v4"]
+    hosts = st["slices"][0]["hosts"]
+    assert [(h["worker_id"], h["alive"]) for h in hosts] == [(w, True) for w in range(4)]
+    assert st["slices"][0]["pod_type"] == "v4-32" and st["slices"][0]["topology"] == "2x2x4"
+
+    # Without the token, Ray refuses the connection (with it, status above got in).
+    no_tok = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import ray; ray.init(address='127.0.0.2:%d', logging_level='ERROR'); print('CONNECTED')"
+         % remote["port"]], env=no_tok, capture_output=True, text=True, timeout=120)
+    assert probe.returncode != 0 and "CONNECTED" not in probe.stdout
+
+    # A second `up` leaves every host alone: no new `ray start`.
+    n_before = len(ssh_commands(log))
+    p2 = run_cli(*up_args(remote), env=env, timeout=120)
+    assert p2.returncode == 0, p2.stderr
+    new = ssh_commands(log)[n_before:]
+    assert new and not any("ray.scripts.scripts start" in c for _, c in new)
+    assert [w for w, _ in new] == [0]  # just the question to the head
+    assert p2.stderr.count("already in the cluster") == 4
+
+    assert procs_of(tdir)
+    d = run_cli("cluster", "down", "--json", env=env, timeout=120)
+    assert d.returncode == 0, d.stderr
+    dd = json.loads(d.stdout)
+    assert dd["processes_stopped"] > 0 and sorted(dd["hosts"]) == ["0", "1", "2", "3"]
+    stops = [w for w, c in ssh_commands(log) if "tpulaunch-stop" in c]
+    assert sorted(stops) == [0, 1, 2, 3]
+    assert procs_of(tdir) == []
+    assert not Path(doc["token_path"]).exists()
+    assert run_cli("cluster", "status", "--json", env=env, timeout=60).returncode != 0  # nothing recorded now
+    print(f"lifecycle took {time.monotonic() - t0:.1f}s")
+
+
+# -- quoting ------------------------------------------------------------------------------------
+
+HOSTILE = ["a b", "it's", '"dq"', "; touch PWNED1", "$(touch PWNED2)", "`touch PWNED3`", "x\ny", "*", "--worker=3"]
+
+
+def test_ssh_quoting_with_hostile_strings(tmp_path, monkeypatch):
+    name, zone, project = "evil tpu'; touch PWNED0 #", "us central'\"", "p; rm -rf x"
+    home = tmp_path / "home"
+    home.mkdir()
+    sl = tmp_path / "slices.json"
+    sl.write_text(json.dumps({f"{project}/{zone}/{name}": {
+        "accelerator_type": "v4-8", "topology": "2x2x1", "chips_per_host": 4, "worker_ips": ["10.0.0.2"]}}))
+    log = tmp_path / "gcloud.log"
+    monkeypatch.setenv("PATH", hermetic_path(gcloud=True))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("FAKE_GCLOUD_LOG", str(log))
+    monkeypatch.setenv("FAKE_GCLOUD_SLICES", str(sl))
+
+    command = gcloud.shell_words(["printf", "%s|", *HOSTILE]) + " && " + gcloud.env_assignments(
+        {"V": "$(touch PWNED4); 'q'"}) + ' /bin/sh -c \'printf "%s" "$V"\''
+    proc = gcloud.tpu_vm_ssh(name, zone=zone, project=project, worker=0, command=command, stdin="")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "|".join(HOSTILE) + "|" + "$(touch PWNED4); 'q'"
+    (argv,) = recorded(log)
+    assert argv == ["compute", "tpus", "tpu-vm", "ssh", name, "--zone", zone, "--project", project,
+                    "--worker=0", "--command", command]
+    assert not list(home.glob("PWNED*")) and not list(tmp_path.glob("PWNED*")) and not list(Path.cwd().glob("PWNED*"))
+
+    # The product's remote `ray start` line splits back into exactly its words.
+    import shlex
+
+    words = ray_remote.ray_start_words(python="/opt/my py/bin/python3", node_ip="10.0.0.2", temp_dir="/tmp/a b;c",
+                                       port=6379, head=False, head_ip="10.0.0.1")
+    line = ray_remote.start_command(words)
+    assert shlex.split(line.split(" && ", 3)[3])[3:] == words  # after the token prefix and the 3 env words
+    with pytest.raises(ValueError):
+        gcloud.env_assignments({"A;B": "x"})
+    with pytest.raises(Exception, match="not a TPU name"):
+        gcloud.tpu_vm_ssh_argv("--zone=evil", zone="z", project="p", worker=0, command="true")
+
+
+def test_fake_gcloud_refuses_non_loopback_addresses(tmp_path):
+    sl = tmp_path / "slices.json"
+    sl.write_text(json.dumps({"p/z/t": {"accelerator_type": "v4-8", "topology": "2x2x1", "chips_per_host": 4,
+                                        "worker_ips": ["10.0.0.2"]}}))
+    env = {**os.environ, "PATH": hermetic_path(gcloud=True), "FAKE_GCLOUD_SLICES": str(sl), "HOME": str(tmp_path)}
+    run = lambda c: subprocess.run([str(FAKE_BIN / "gcloud"), "compute", "tpus", "tpu-vm", "ssh", "t", "--zone", "z",  # noqa: E731
+                                    "--project", "p", "--worker=0", "--command", c],
+                                   env=env, capture_output=True, text=True, timeout=30)
+    ok = run("echo 10.0.0.2 $TPU_WORKER_ID $TPU_NAME")
+    assert ok.returncode == 0 and ok.stdout.strip() == "127.0.0.2 0 t"
+    bad = run("echo 10.0.0.9")
+    assert bad.returncode == 255 and "refusing" in bad.stderr
+
+
+# -- cluster join (on a TPU VM) ------------------------------------------------------------------
+
+
+def test_join_gives_up_when_head_never_answers(tmp_path):
+    # Loopback worker IPs: the join may only ever knock on this machine.
+    with FakeMetadataServer.for_slice(worker=1, ip_prefix="127.0.0") as md:
+        env = cli_env(tmp_path / "home", TPULAUNCH_HOME=str(tmp_path / "tpl"), TPULAUNCH_METADATA_HOST=md.host)
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "tpulaunch", "cluster", "join", "--token-stdin", "--timeout", "3",
+                            "--port", str(closed_port())], env=env, input="s3cret\n", capture_output=True, text=True,
+                           timeout=60, cwd=str(Path(__file__).parents[1]))
+    assert p.returncode == 5, p.stderr
+    assert "did not answer within 3s" in p.stderr and "127.0.0.2" in p.stderr
+    assert time.monotonic() - t0 < 30
+    tok = tmp_path / "home" / ".tpulaunch" / "ray_token"
+    assert tok.read_text() == "s3cret" and stat.S_IMODE(tok.stat().st_mode) == 0o600
+
+
+# -- TPU holders ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_root(tmp_path):
+    root = tmp_path / "root"
+    (root / "dev" / "vfio").mkdir(parents=True)
+    (root / "tmp").mkdir()
+    for p in ("dev/accel0", "dev/accel1", "dev/vfio/3", "dev/vfio/vfio"):
+        (root / p).write_text("")
+    (root / "dev" / "accel").mkdir()  # NVIDIA 570+ makes a /dev/accel/ directory: not a TPU
+    return root
+
+
+def test_holders_finds_the_process_holding_the_tpu_and_clears_it(fake_root, tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys,time; fs=[open(p) for p in sys.argv[1:]]; print('ready', flush=True); time.sleep(120)",
+         str(fake_root / "dev/accel0"), str(fake_root / "dev/vfio/3")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        (fake_root / "tmp" / "libtpu_lockfile").write_text("")
+        rep = tpu_holders.scan(fake_root)
+        assert rep.devices == [str(fake_root / p) for p in ("dev/accel0", "dev/accel1", "dev/vfio/3")]
+        assert [(h.pid, h.paths) for h in rep.holders] == [
+            (holder.pid, [str(fake_root / "dev/accel0"), str(fake_root / "dev/vfio/3")])]
+        assert "time.sleep" in rep.holders[0].cmdline
+        assert rep.lockfile and not rep.lockfile_stale and not rep.clean
+
+        env = cli_env(tmp_path / "home", TPULAUNCH_HOME=str(tmp_path / "tpl"))
+        p = run_cli("cluster", "doctor", "--root", str(fake_root), "--json", env=env)
+        assert p.returncode == 5
+        assert [h["pid"] for h in json.loads(p.stdout)["holders"]] == [holder.pid]
+
+        p = run_cli("cluster", "doctor", "--root", str(fake_root), "--kill-stale", env=env)
+        assert p.returncode == 0, p.stderr
+        assert f"held by pid {holder.pid}" in p.stdout and f"killed: {holder.pid}" in p.stdout
+        assert holder.wait(timeout=10) == -signal.SIGTERM
+        assert not (fake_root / "tmp" / "libtpu_lockfile").exists()
+        assert tpu_holders.scan(fake_root).clean
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_holders_stale_lockfile_alone(fake_root, tmp_path):
+    assert tpu_holders.scan(fake_root).clean
+    (fake_root / "tmp" / "libtpu_lockfile").write_text("")
+    rep = tpu_holders.scan(fake_root)
+    assert rep.holders == [] and rep.lockfile_stale and not rep.clean
+    res = tpu_holders.clear(rep)
+    assert res == {"killed": [], "failed": {}, "lockfile_removed": True}
+    assert tpu_holders.scan(fake_root).clean

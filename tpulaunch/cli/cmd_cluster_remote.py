@@ -1,0 +1,196 @@
+"""`tpulaunch cluster up --tpu`, `cluster join`, `cluster doctor`, and `down`/`status` of real slices.
+
+Thin: `tpulaunch.ray_remote` does the work over gcloud ssh, `tpulaunch.tpu_holders` looks at the
+TPU devices; this module parses and renders (a live per-host status on a terminal, one plain
+line per host state change in a pipe, `--json`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tpulaunch import ray_cluster, tpu_holders
+from tpulaunch.cli.output import Output
+from tpulaunch.errors import ClusterError, DiscoveryError, ExitCode
+
+RAY_PORT_DEFAULT = 6379
+REMOTE_PYTHON_DEFAULT = "python3"
+
+
+class HostProgress:
+    """Each host's state: a rich status line listing all hosts on a terminal, plain lines piped."""
+
+    def __init__(self, out: Output, status, n: int) -> None:
+        self.out, self.st = out, status
+        self.states = {w: "waiting" for w in range(n)}
+        self.lock = threading.Lock()
+
+    def __call__(self, worker: int, state: str) -> None:
+        with self.lock:
+            self.states[worker] = state
+            if self.st is not None:
+                self.st.update("  ".join(f"w{w}: {s}" for w, s in sorted(self.states.items())))
+            else:
+                self.out.info(f"worker {worker}: {state}")
+
+
+def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, port: int, python: str,
+              temp_dir: str | None, dashboard: bool, topology: str | None, accelerator: str | None,
+              json_out: bool) -> None:
+    from tpulaunch import discovery
+    from tpulaunch.ray_remote import RemoteSlice
+
+    rec = ray_cluster.load_record()
+    if rec is not None and rec.temp_dir and ray_cluster.cluster_pids(rec.temp_dir):
+        raise ClusterError(f"an emulated cluster is up at {rec.address}", "stop it first with `tpulaunch cluster down`")
+    spec = discovery.describe_node(tpu, zone=zone, project=project)
+    discovery.check_matches(spec, topology, accelerator)
+    discovery.check_ready(spec, force=False)
+    if rec is not None and rec.remote and (rec.remote["tpu"], rec.remote["zone"], rec.remote["project"]) != (
+            spec.name, spec.zone, spec.project):
+        raise ClusterError(f"a cluster on TPU '{rec.remote['tpu']}' is recorded as up",
+                           "stop it first with `tpulaunch cluster down`")
+    rs = RemoteSlice(spec, port=port, temp_dir=temp_dir, python=python, dashboard=dashboard)
+    n = len(spec.workers)
+    with out.status(f"bringing up Ray on {n} host(s) of {spec.name} ...") as st:
+        info = rs.up(progress=HostProgress(out, st, n))
+    ray_cluster.save_record(info)
+    if json_out:
+        out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,
+                  "slices": info.slices, "token_path": info.token_path, "remote": info.remote})
+    else:
+        out.line(f"cluster up at {info.address} on TPU {spec.name} ({spec.accelerator_type}, {n} hosts; "
+                 f"token auth on; token in {info.token_path})")
+
+
+def status_doc_remote(info: ray_cluster.ClusterInfo) -> dict:
+    from tpulaunch import ray_slices
+    from tpulaunch.ray_remote import RemoteSlice
+
+    rs = RemoteSlice.from_record(info)
+    q = rs.query()  # over gcloud ssh to worker 0: Ray's ports are internal to the slice
+    if not q["head"]:
+        raise ClusterError(f"the Ray head of TPU '{rs.spec.name}' ({rs.address}) does not answer",
+                           "start it again with `tpulaunch cluster up --tpu ...`")
+    nodes = q["nodes"]
+    found = ray_slices.slices_from_nodes(nodes, {n["NodeID"]: n.get("Available") or {} for n in nodes})
+    return {
+        "schema": "tpulaunch.cluster-status/v1", "address": info.address, "emulated": False,
+        "slices": [
+            {"name": s.name, "pod_type": s.pod_type, "topology": s.topology,
+             "hosts": [{"worker_id": w, "node_ip": ip, "alive": alive, "busy": busy} for w, ip, alive, busy in s.workers]}
+            for s in found
+        ],
+    }
+
+
+def down_remote(out: Output, rec: ray_cluster.ClusterInfo, json_out: bool) -> None:
+    from tpulaunch.ray_remote import RemoteSlice
+
+    rs = RemoteSlice.from_record(rec)
+    n = len(rs.spec.workers)
+    with out.status(f"stopping Ray on {n} host(s) of {rs.spec.name} ...") as st:
+        results = rs.down(progress=HostProgress(out, st, n))
+    bad = {w: (r.get("error") or f"{len(r['left'])} process(es) left") for w, r in results.items()
+           if r.get("error") or r.get("left")}
+    if bad:
+        raise ClusterError("could not stop Ray on " + "; ".join(f"worker {w}: {m}" for w, m in sorted(bad.items())),
+                           "run `tpulaunch cluster down` again")
+    ray_cluster.clear_record()
+    if rec.token_path:
+        Path(rec.token_path).unlink(missing_ok=True)
+    stopped = sum(r.get("stopped", 0) for r in results.values())
+    if json_out:
+        out.json({"schema": "tpulaunch.cluster-down/v1", "address": rec.address, "processes_stopped": stopped,
+                  "hosts": {str(w): r for w, r in sorted(results.items())}})
+    else:
+        out.line(f"cluster {rec.address} on TPU {rs.spec.name} stopped ({stopped} processes on {n} hosts)")
+
+
+def register(cluster_app: typer.Typer) -> None:
+    @cluster_app.command("join")
+    def join(
+        port: int = typer.Option(RAY_PORT_DEFAULT, "--port", help="The Ray head's GCS port on worker 0."),
+        timeout: float = typer.Option(300.0, "--timeout", metavar="S", help="Give up after S seconds without a head."),
+        token_file: Optional[Path] = typer.Option(None, "--token-file",
+                                                  help="The cluster's Ray auth token (default ~/.tpulaunch/ray_token)."),
+        token_stdin: bool = typer.Option(False, "--token-stdin",
+                                         help="Read the token from stdin and store it owner-only in --token-file."),
+        ray_temp_dir: Optional[str] = typer.Option(None, "--ray-temp-dir", help="Ray's temp dir (default /tmp/tpl-<hash>)."),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    ) -> None:
+        """On a TPU VM: start the Ray head (worker 0) or join it (other workers), from the metadata server.
+
+        Run it on every worker, e.g. `gcloud compute tpus tpu-vm ssh NAME --worker=all
+        --command 'tpulaunch cluster join --token-stdin' < token`.
+        """
+        from tpulaunch import discovery
+        from tpulaunch.ray_remote import join_local
+
+        out = Output(json_mode=json_out)
+        local = discovery.local_host()
+        if local is None:
+            raise DiscoveryError("this is not a TPU VM (no TPU devices, no TPU metadata)",
+                                 "run `tpulaunch cluster join` on the TPU VMs, or `cluster up --tpu NAME` from elsewhere")
+        tok = token_file or Path.home() / ".tpulaunch" / "ray_token"
+        if token_stdin:
+            text = sys.stdin.read().strip()
+            if not text:
+                raise ClusterError("--token-stdin: stdin was empty", "pipe the cluster's token in")
+            tok.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(tok, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(tok, 0o600)
+        if not tok.exists():
+            raise ClusterError(f"no Ray auth token at {tok}",
+                               "every worker needs the same token: pass --token-stdin (or --token-file)")
+        addr = join_local(local.spec, local.worker_id, str(tok), port=port, temp_dir=ray_temp_dir, timeout=timeout,
+                          progress=out.info)
+        if json_out:
+            out.json({"schema": "tpulaunch.cluster-join/v1", "address": addr, "worker_id": local.worker_id,
+                      "head": local.worker_id == 0})
+        else:
+            out.line(f"worker {local.worker_id} of {local.spec.name}: "
+                     + ("Ray head up at " if local.worker_id == 0 else "joined ") + addr)
+
+    @cluster_app.command("doctor")
+    def doctor(
+        kill_stale: bool = typer.Option(False, "--kill-stale",
+                                        help="End the processes holding the TPU and remove a stale libtpu lockfile."),
+        root: Path = typer.Option(Path("/"), "--root", hidden=True, help="Look for dev/ and tmp/ under ROOT (tests)."),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    ) -> None:
+        """Is this host's TPU free? Lists processes holding /dev/accel* or /dev/vfio/*, and a stale lockfile."""
+        out = Output(json_mode=json_out)
+        rep = tpu_holders.scan(root)
+        doc = rep.to_dict()
+        if kill_stale and not rep.clean:
+            doc["cleared"] = tpu_holders.clear(rep)
+            after = tpu_holders.scan(root)
+            doc["clean_after"] = after.clean
+        if json_out:
+            out.json(doc)
+        else:
+            out.line(f"TPU devices: {', '.join(rep.devices) or 'none'}")
+            for h in rep.holders:
+                out.line(f"held by pid {h.pid} ({', '.join(h.paths)}): {h.cmdline}")
+            if rep.lockfile_stale:
+                out.line(f"stale lockfile: {rep.lockfile}")
+            if "cleared" in doc:
+                c = doc["cleared"]
+                out.line(f"killed: {', '.join(map(str, c['killed'])) or 'none'}; lockfile removed: "
+                         f"{'yes' if c['lockfile_removed'] else 'no'}"
+                         + (f"; failed: {c['failed']}" if c["failed"] else ""))
+            elif rep.clean:
+                out.line("TPU is free")
+        if not rep.clean and not doc.get("clean_after"):
+            if not json_out:
+                out.error("the TPU is held" + ("" if kill_stale else "; `tpulaunch cluster doctor --kill-stale` clears it"))
+            raise typer.Exit(ExitCode.CLUSTER)

@@ -1,0 +1,410 @@
+"""Ray on a real TPU slice: bring-up over `gcloud ... tpu-vm ssh`, and `cluster join` on a TPU VM.
+
+`ray_cluster` starts emulated clusters on this machine; this module builds the commands that start,
+query and stop Ray *on the slice's own VMs* and runs them through `tpulaunch.gcloud` (the only
+module that runs gcloud). Nothing here opens a socket to the slice from the laptop: Ray's ports
+on TPU VMs are internal, so the head is asked through ssh to worker 0.
+
+What runs on each worker (every piece quoted with `shlex.quote`; nothing user-given unquoted):
+
+* the token goes over **stdin**: `umask 077 && mkdir -p ~/.tpulaunch && cat > ~/.tpulaunch/ray_token`;
+* then `RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=~/.tpulaunch/ray_token python3 -m ray.scripts.scripts
+  start ...`: head on worker 0 (GCS on `--port`, default 6379, the one port others must know;
+  dashboard, if any, bound to 127.0.0.1), `--address <worker 0 internal IP>:PORT` elsewhere.
+  Every other Ray port is 0 (random): no clashes with anything else on the VM, nothing to open.
+  No `--resources`: on a TPU VM Ray counts the chips itself and derives the `TPU-*` resources and
+  `ray.io/tpu-*` labels from the metadata server.
+* `--temp-dir` is per cluster (`/tmp/tpl-<hash of project/zone/name>`), so `down` stops exactly the
+  Ray processes of this cluster (those naming that dir in argv or holding a file open in it),
+  never another Ray the user runs on the VM (`ray stop` would kill every Ray of the user).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from tpulaunch import gcloud
+from tpulaunch.errors import ClusterError
+from tpulaunch.ray_cluster import ClusterInfo, state_dir
+from tpulaunch.slicespec import SliceSpec
+
+DEFAULT_PORT = 6379
+DEFAULT_PYTHON = "python3"
+JSON_MARK = "TPULAUNCH-JSON:"
+REMOTE_TOKEN = '"$HOME"/.tpulaunch/ray_token'  # a fixed fragment of ours: $HOME expands remotely
+WRITE_TOKEN = f'umask 077 && mkdir -p "$HOME"/.tpulaunch && cat > {REMOTE_TOKEN}'
+AUTH_ENV = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={REMOTE_TOKEN} RAY_USAGE_STATS_ENABLED=0"
+MAX_PARALLEL_SSH = 16
+
+Progress = Callable[[int, str], None]  # (worker id, state text)
+
+
+def cluster_key(project: str, zone: str, name: str) -> str:
+    return hashlib.sha256(f"{project}/{zone}/{name}".encode()).hexdigest()[:10]
+
+
+def default_temp_dir(project: str, zone: str, name: str) -> str:
+    return f"/tmp/tpl-{cluster_key(project, zone, name)}"  # short: Ray socket paths must fit 107 bytes
+
+
+# -- commands run on a worker ---------------------------------------------------------------------
+
+
+def ray_start_words(
+    *, python: str, node_ip: str, temp_dir: str, port: int, head: bool, head_ip: str | None = None,
+    dashboard: bool = False,
+) -> list[str]:
+    """argv of `ray start` on one TPU VM (head on worker 0, join elsewhere)."""
+    argv = [python, "-m", "ray.scripts.scripts", "start",
+            "--node-ip-address", node_ip, "--temp-dir", temp_dir,
+            "--dashboard-agent-listen-port", "0", "--min-worker-port", "0", "--max-worker-port", "0",
+            "--disable-usage-stats"]
+    if head:
+        argv += ["--head", "--port", str(port), "--include-dashboard", "true" if dashboard else "false",
+                 "--dashboard-host", "127.0.0.1"]
+    else:
+        argv += ["--address", f"{head_ip}:{port}"]
+    return argv
+
+
+def start_command(words: list[str]) -> str:
+    """Store the token sent on stdin owner-only, then run `ray start` with token auth on."""
+    return f"{WRITE_TOKEN} && {AUTH_ENV} {gcloud.shell_words(words)}"
+
+
+_QUERY = r"""
+# tpulaunch-query: which nodes does the Ray head know? (prints one marked JSON line)
+import json, socket, sys
+addr = sys.argv[1]
+host, port = addr.rsplit(":", 1)
+out = {"head": False, "nodes": []}
+try:
+    socket.create_connection((host, int(port)), timeout=3).close()
+except OSError as e:
+    out["error"] = str(e)
+    print("MARK" + json.dumps(out)); sys.exit(0)
+out["head"] = True
+try:
+    import ray
+    ray.init(address=addr, logging_level="ERROR", log_to_driver=False)
+    try:
+        from ray._private.state import state
+        avail = state._available_resources_per_node()
+    except Exception:
+        avail = {}
+    for n in ray.nodes():
+        out["nodes"].append({k: n.get(k) for k in ("NodeID", "Alive", "Labels", "Resources", "NodeManagerAddress")}
+                            | {"Available": avail.get(n["NodeID"], {})})
+    ray.shutdown()
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+print("MARK" + json.dumps(out))
+""".replace("MARK", JSON_MARK)
+
+_STOP = r"""
+# tpulaunch-stop: end the Ray processes of one cluster temp dir on this host, by pid
+import json, os, re, shutil, signal, sys, time
+d = os.path.realpath(sys.argv[1])
+pat = re.compile(re.escape(d.encode()) + rb"(/|\x00|$)")
+def ancestors():
+    s, p = set(), os.getpid()
+    while p > 1 and p not in s:
+        s.add(p)
+        try:
+            p = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+        except Exception:
+            break
+    return s
+def alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except Exception:
+        return False
+def members():
+    skip, out = ancestors(), []
+    for e in os.listdir("/proc"):
+        if not e.isdigit() or int(e) in skip:
+            continue
+        try:
+            cmd = open(f"/proc/{e}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"tpulaunch-stop" in cmd or not alive(e):
+            continue  # this command, its shell and the ssh carrying it (and their siblings)
+        hit = bool(pat.search(cmd))
+        if not hit:  # Ray's agents rewrite their argv (ray::DashboardAgent); their log files stay open
+            try:
+                for fd in os.listdir(f"/proc/{e}/fd"):
+                    try:
+                        t = os.readlink(f"/proc/{e}/fd/{fd}")
+                    except OSError:
+                        continue
+                    if t == d or t.startswith(d + "/"):
+                        hit = True
+                        break
+            except OSError:
+                pass
+        if hit:
+            out.append(int(e))
+    return out
+found = members()
+for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+    for pid in members():
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    end = time.monotonic() + wait
+    while time.monotonic() < end and members():
+        time.sleep(0.2)
+left = members()
+if not left:
+    shutil.rmtree(d, ignore_errors=True)
+print("MARK" + json.dumps({"stopped": len(found), "left": left}))
+""".replace("MARK", JSON_MARK)
+
+
+def query_command(python: str, head_ip: str, port: int) -> str:
+    return f"{AUTH_ENV} {gcloud.shell_words([python, '-c', _QUERY, f'{head_ip}:{port}'])}"
+
+
+def stop_command(python: str, temp_dir: str) -> str:
+    return gcloud.shell_words([python, "-c", _STOP, temp_dir])
+
+
+def _marked_json(text: str) -> dict | None:
+    for line in reversed(text.splitlines()):
+        if line.startswith(JSON_MARK):
+            try:
+                return json.loads(line[len(JSON_MARK):])
+            except ValueError:
+                return None
+    return None
+
+
+def _tail(proc: subprocess.CompletedProcess, n: int = 3) -> str:
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and not ln.startswith(JSON_MARK)]
+    return " | ".join(lines[-n:])
+
+
+# -- the local copy of the token ------------------------------------------------------------------
+
+
+def token_file(key: str) -> Path:
+    return state_dir() / f"ray_token-{key}"
+
+
+def ensure_token(key: str) -> tuple[Path, str, bool]:
+    """(path, token, created_now): the cluster's token, stored owner-only (0600) under state_dir()."""
+    p = token_file(key)
+    if p.exists():
+        return p, p.read_text().strip(), False
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    tok = secrets.token_hex(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(tok)
+    return p, tok, True
+
+
+# -- a cluster on a slice, driven from anywhere gcloud works --------------------------------------
+
+
+class RemoteSlice:
+    """One TPU slice reached over gcloud ssh; `cluster up/status/down --tpu` in library form."""
+
+    def __init__(self, spec: SliceSpec, *, port: int = DEFAULT_PORT, temp_dir: str | None = None,
+                 python: str = DEFAULT_PYTHON, dashboard: bool = False) -> None:
+        if not spec.workers:
+            raise ClusterError(f"TPU '{spec.name}' lists no worker endpoints", "is it READY? `tpulaunch slice describe`")
+        if not spec.zone or not spec.project:
+            raise ClusterError(f"TPU '{spec.name}' has no zone/project", "pass --zone and --project")
+        self.spec = spec
+        self.port = int(port)
+        self.key = cluster_key(spec.project, spec.zone, spec.name)
+        self.temp_dir = temp_dir or default_temp_dir(spec.project, spec.zone, spec.name)
+        self.python = python
+        self.dashboard = dashboard
+
+    @classmethod
+    def from_record(cls, info: ClusterInfo) -> "RemoteSlice":
+        r = info.remote or {}
+        d = dict(info.slices[0])
+        d.pop("schema", None)
+        from tpulaunch.slicespec import WorkerEndpoint
+
+        d["workers"] = tuple(WorkerEndpoint(**w) for w in d.get("workers", ()))
+        d["symptoms"] = tuple(d.get("symptoms", ()))
+        return cls(SliceSpec(**d), port=r["port"], temp_dir=r["temp_dir"], python=r["python"])
+
+    @property
+    def head_ip(self) -> str:
+        return self.spec.workers[0].ip
+
+    @property
+    def address(self) -> str:
+        return f"{self.head_ip}:{self.port}"
+
+    def ssh(self, worker: int, command: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+        s = self.spec
+        return gcloud.tpu_vm_ssh(s.name, zone=s.zone or "", project=s.project or "", worker=worker,
+                                 command=command, stdin=stdin)
+
+    def query(self) -> dict:
+        """Ask the head (over ssh to worker 0) which nodes it has: {"head": bool, "nodes": [...]}."""
+        proc = self.ssh(0, query_command(self.python, self.head_ip, self.port))
+        doc = _marked_json(proc.stdout)
+        if proc.returncode != 0 or doc is None:
+            raise ClusterError(f"could not ask worker 0 of '{self.spec.name}' about Ray (exit {proc.returncode}): {_tail(proc)}",
+                               f"is Ray installed for {self.python} on the TPU VMs? (--remote-python)")
+        if doc.get("error") and doc.get("head"):
+            raise ClusterError(f"the Ray head at {self.address} answers but would not let us in: {doc['error']}",
+                               "another cluster (or another token) holds that port; `tpulaunch cluster down` it first")
+        return doc
+
+    def alive_workers(self, doc: dict) -> set[int]:
+        ids = set()
+        for n in doc.get("nodes", []):
+            labels = n.get("Labels") or {}
+            if n.get("Alive") and labels.get("ray.io/tpu-slice-name") == self.spec.name:
+                try:
+                    ids.add(int(labels.get("ray.io/tpu-worker-id", "")))
+                except ValueError:
+                    pass
+        return ids
+
+    def _start(self, worker: int, token: str, head: bool) -> None:
+        words = ray_start_words(python=self.python, node_ip=self.spec.workers[worker].ip, temp_dir=self.temp_dir,
+                                port=self.port, head=head, head_ip=self.head_ip, dashboard=self.dashboard)
+        proc = self.ssh(worker, start_command(words), stdin=token)
+        if proc.returncode != 0:
+            raise ClusterError(f"ray start failed on worker {worker} (exit {proc.returncode}): {_tail(proc)}",
+                               f"Ray's logs are under {self.temp_dir} on that worker")
+
+    def up(self, progress: Progress | None = None) -> ClusterInfo:
+        """Head on worker 0, every other worker joined; workers already in the cluster are left alone."""
+        say = progress or (lambda _w, _s: None)
+        n = len(self.spec.workers)
+        token_path, token, created = ensure_token(self.key)
+        say(0, "checking")
+        doc = self.query()
+        if doc["head"]:
+            if created:
+                token_path.unlink(missing_ok=True)
+                raise ClusterError(f"a Ray head already runs at {self.address} but this machine has no token for it",
+                                   "stop it with `tpulaunch cluster down` from where it was started, or on the VMs")
+            alive = self.alive_workers(doc)
+            for w in sorted(alive):
+                say(w, "already in the cluster")
+        else:
+            say(0, "starting head")
+            self._start(0, token, head=True)
+            say(0, "head up")
+            alive = {0}
+        todo = [w for w in range(n) if w not in alive]
+        errors: dict[int, str] = {}
+
+        def join(w: int) -> None:
+            say(w, "joining")
+            try:
+                self._start(w, token, head=False)
+            except ClusterError as e:
+                errors[w] = e.message
+                say(w, "FAILED")
+                return
+            say(w, "joined")
+
+        if todo:
+            with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SSH, len(todo))) as pool:
+                list(pool.map(join, todo))
+        if errors:
+            raise ClusterError("; ".join(f"worker {w}: {m}" for w, m in sorted(errors.items())),
+                               "fix that and run `tpulaunch cluster up` again (hosts already up are left alone)")
+        return ClusterInfo(address=self.address, temp_dir=None, token_path=str(token_path), emulated=False,
+                           slices=[self.spec.to_dict()],
+                           remote={"tpu": self.spec.name, "zone": self.spec.zone, "project": self.spec.project,
+                                   "port": self.port, "temp_dir": self.temp_dir, "python": self.python})
+
+    def down(self, progress: Progress | None = None) -> dict[int, dict]:
+        """End this cluster's Ray processes on every worker, in parallel: {worker: {"stopped", "left"}}."""
+        say = progress or (lambda _w, _s: None)
+        results: dict[int, dict] = {}
+
+        def stop(w: int) -> None:
+            say(w, "stopping")
+            proc = self.ssh(w, stop_command(self.python, self.temp_dir))
+            doc = _marked_json(proc.stdout)
+            if proc.returncode != 0 or doc is None:
+                results[w] = {"error": f"exit {proc.returncode}: {_tail(proc)}"}
+                say(w, "FAILED")
+            else:
+                results[w] = doc
+                say(w, "stopped" if not doc.get("left") else f"{len(doc['left'])} process(es) left")
+
+        n = len(self.spec.workers)
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SSH, n)) as pool:
+            list(pool.map(stop, range(n)))
+        return results
+
+
+# -- `cluster join`: on a TPU VM itself ------------------------------------------------------------
+
+
+def _reachable(ip: str, port: int, timeout: float = 2.0) -> bool:
+    try:
+        socket.create_connection((ip, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def join_local(
+    spec: SliceSpec, worker_id: int, token_path: str, *, port: int = DEFAULT_PORT, temp_dir: str | None = None,
+    timeout: float = 300.0, python: str | None = None, dashboard: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> str:
+    """Start the head (worker 0) or join it (others), retrying until the head answers or `timeout`.
+
+    Returns the head address. Runs `ray start` on this machine with token auth on.
+    """
+    import sys
+
+    say = progress or (lambda _m: None)
+    if not spec.workers:
+        raise ClusterError("the metadata server lists no worker endpoints", "is this a TPU VM of a READY slice?")
+    head_ip, me = spec.workers[0].ip, spec.workers[worker_id].ip
+    tdir = temp_dir or default_temp_dir(spec.project or "-", spec.zone or "-", spec.name)
+    words = ray_start_words(python=python or sys.executable, node_ip=me, temp_dir=tdir, port=port,
+                            head=worker_id == 0, head_ip=head_ip, dashboard=dashboard)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path, "RAY_USAGE_STATS_ENABLED": "0"}
+    deadline = time.monotonic() + timeout
+    if worker_id != 0:
+        say(f"waiting for the Ray head at {head_ip}:{port}")
+        while not _reachable(head_ip, port):
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"the Ray head at {head_ip}:{port} did not answer within {timeout:g}s",
+                                   "start it with `tpulaunch cluster join` on worker 0, or raise --timeout")
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+    last = ""
+    while True:
+        left = max(5.0, deadline - time.monotonic())
+        try:
+            proc = subprocess.run(words, env=env, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            proc = None
+        if proc is not None and proc.returncode == 0:
+            say("head started" if worker_id == 0 else f"joined {head_ip}:{port}")
+            return f"{head_ip}:{port}"
+        last = _tail(proc) if proc is not None else "ray start timed out"
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"ray start on worker {worker_id} kept failing for {timeout:g}s: {last}",
+                               f"Ray's logs are under {tdir}")
+        time.sleep(2.0)
