@@ -293,3 +293,18 @@ def test_emulated_multislice_trains(tmp_path):
         log = Path(h["log"]).read_text()
         losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", log)]
         assert len(losses) >= 3 and losses[-1] < losses[0], (h["process_index"], losses)
+
+
+def test_oversized_working_directory_is_refused_before_anything_starts(workdir, tmp_path):
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "allreduce.py").write_text((workdir / "allreduce.py").read_text())
+    (big / "data.bin").write_bytes(b"\0" * (3 * 1024 * 1024))
+    (big / ".git").mkdir()
+    (big / ".git" / "pack").write_bytes(b"\0" * (8 * 1024 * 1024))  # excluded: does not count
+    ok = run_cli("run", "allreduce.py", "--topology", "2x8", "--max-upload-mb", "4", "--dry-run", cwd=big)
+    assert ok.returncode == 0, ok.stderr
+    proc = run_cli("run", "allreduce.py", "--topology", "2x8", "--max-upload-mb", "2", cwd=big)
+    assert proc.returncode == 2
+    assert "is 3.0 MiB, over the 2 MiB limit" in proc.stderr and "--max-upload-mb" in proc.stderr
+    assert "starting an emulated Ray cluster" not in proc.stderr

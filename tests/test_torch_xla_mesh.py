@@ -259,7 +259,7 @@ def test_runtime_device_ids_missing_device_raises(topo_kw, num_slices, drop):
     d = plan.device(missing)
     line = ei.value.line()
     assert f"planned device {missing}" in line
-    assert str(d.chip) in line and "not in the runtime" in line
+    assert str(d.chip) in line and "is not among the runtime's devices" in line
 
 
 def test_runtime_device_ids_wrong_slice_raises():

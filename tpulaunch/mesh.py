@@ -212,6 +212,30 @@ class MeshPlan:
         for flat, dev in enumerate(self._grid):
             yield _unravel(flat, self.shape), self.device(dev)
 
+    def match_physical(self, attributes: list[dict], runtime: str) -> list[int]:
+        """Indices into `attributes` (TPU device attribute dicts) in row-major mesh order.
+
+        Matches on (`slice_index`, `coords`, `core_on_chip`), so the mesh is right whatever order
+        the runtime numbered its devices in. Shared by the framework adapters.
+        """
+        from tpulaunch.errors import MeshMismatchError
+
+        index = {
+            (int(a.get("slice_index", 0)), tuple(int(c) for c in a["coords"]), int(a.get("core_on_chip", 0))): i
+            for i, a in enumerate(attributes)
+        }
+        out = []
+        for dev_id in self.device_ids():
+            d = self.device(dev_id)
+            i = index.get((d.slice, tuple(d.chip), d.core))
+            if i is None:
+                raise MeshMismatchError(
+                    f"planned device {dev_id} (slice {d.slice}, chip {d.chip}, core {d.core}) is not among {runtime}'s devices",
+                    "the slice's physical layout differs from the plan; check --topology",
+                )
+            out.append(i)
+        return out
+
     def process_device_ids(self, process: int) -> list[int]:
         """Device ids owned by one process (host), in id order."""
         per_host = self.topology.devices_per_host

@@ -310,14 +310,33 @@ def resolve_address(address: str | None) -> ClusterInfo | None:
             return ClusterInfo(address=os.environ["RAY_ADDRESS"], temp_dir=None,
                                token_path=os.environ.get("RAY_AUTH_TOKEN_PATH"), emulated=False)
         rec = load_record()
-        if rec is None or (rec.temp_dir and not cluster_pids(rec.temp_dir)):
-            raise ClusterError("--address auto found no running cluster",
-                               "start one with `tpulaunch cluster up --topology 2x8` or pass --address HOST:PORT")
-        return rec
+        if rec is not None and rec.temp_dir and cluster_pids(rec.temp_dir):
+            return rec
+        if rec is not None and not rec.temp_dir and not rec.emulated:
+            return rec
+        local = _local_ray_address()
+        if local is not None:
+            return local
+        raise ClusterError("--address auto found no running cluster",
+                           "start one with `tpulaunch cluster up --topology 2x8` or pass --address HOST:PORT")
     rec = load_record()
     if rec is not None and rec.address == address:
         return rec
     return ClusterInfo(address=address, temp_dir=None, token_path=os.environ.get("RAY_AUTH_TOKEN_PATH"),
+                       emulated=False)
+
+
+def _local_ray_address() -> ClusterInfo | None:
+    """On a TPU VM where Ray runs (e.g. after `tpulaunch cluster join`): the address Ray wrote."""
+    candidates = sorted(Path("/tmp").glob("tpl-*/ray_current_cluster")) + [Path("/tmp/ray/ray_current_cluster")]
+    # Emulated clusters (they keep their token inside their temp dir) belong to whoever started them.
+    live = [p for p in candidates
+            if p.exists() and not (p.parent / "auth_token").exists() and cluster_pids(str(p.parent))]
+    if len(live) != 1:
+        return None
+    token = Path.home() / ".tpulaunch" / "ray_token"
+    return ClusterInfo(address=live[0].read_text().strip(), temp_dir=None,
+                       token_path=str(token) if token.exists() else os.environ.get("RAY_AUTH_TOKEN_PATH"),
                        emulated=False)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tpulaunch.agent import HostAgent, dumps_state
-from tpulaunch.errors import ClusterError, ExitCode
+from tpulaunch.errors import ClusterError, ExitCode, LaunchError
 from tpulaunch.launch import HostState, LaunchPlan
 
 POLL_S = 0.1
@@ -109,8 +109,8 @@ def workdir_runtime_env(workdir: str, max_mb: float) -> dict:
             except OSError:
                 pass
     if total > max_mb * 1024 * 1024:
-        raise ClusterError(
-            f"the working directory {workdir} is {total / 2**20:.0f} MiB, over the {max_mb:.0f} MiB limit for shipping to hosts",
+        raise LaunchError(
+            f"the working directory {workdir} is {total / 2**20:.1f} MiB, over the {max_mb:g} MiB limit for shipping to hosts",
             "run from a smaller directory, move data out of it, or raise --max-upload-mb",
         )
     return {"working_dir": str(root), "excludes": WORKDIR_EXCLUDES}

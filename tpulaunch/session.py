@@ -112,6 +112,8 @@ def prepare(req: LaunchRequest) -> Prepared:
             t, tuple(SliceSpec.emulated_from(t, s.name, i) for i, s in enumerate(resolved.slices)), True, "tpu-api"
         )
     emulated = resolved.emulated or (cluster is not None and cluster.emulated)
+    if req.ship_workdir:
+        workdir_runtime_env(str(workdir), req.max_upload_mb)  # refuse an oversized directory before anything starts
     fw, reason = _framework(req, workdir)
     if not req.command:
         frameworks.require_installed(fw)

@@ -148,17 +148,8 @@ def device_order(plan: "MeshPlan", attributes: list[dict]) -> list[int]:
     dph = plan.topology.devices_per_host
     out: list[int] = []
     if attributes and "coords" in attributes[0]:
-        index: dict[tuple, int] = {}
-        for i, a in enumerate(attributes):
-            index[(a.get("slice_index", 0), tuple(a["coords"]), a.get("core_on_chip", 0))] = i
-        for dev_id in plan.device_ids():
+        for dev_id, i in zip(plan.device_ids(), plan.match_physical(attributes, "JAX")):
             d = plan.device(dev_id)
-            i = index.get((d.slice, tuple(d.chip), d.core))
-            if i is None:
-                raise MeshMismatchError(
-                    f"planned device {dev_id} (slice {d.slice}, chip {d.chip}, core {d.core}) is not among JAX's devices",
-                    "the slice's physical layout differs from the plan; check --topology",
-                )
             if attributes[i]["process_index"] != d.process:
                 raise MeshMismatchError(
                     f"planned device {dev_id} (slice {d.slice}, chip {d.chip}) belongs to JAX process"

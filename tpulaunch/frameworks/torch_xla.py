@@ -95,21 +95,7 @@ def runtime_device_ids(plan: "MeshPlan", attributes: list[dict]) -> list[int]:
     """
     if not attributes or "coords" not in attributes[0]:
         return plan.device_ids()
-    index: dict[tuple, int] = {}
-    for ordinal, a in enumerate(attributes):
-        key = (int(a.get("slice_index", 0)), tuple(int(c) for c in a["coords"]), int(a.get("core_on_chip", 0)))
-        index[key] = ordinal
-    out = []
-    for dev_id in plan.device_ids():
-        d = plan.device(dev_id)
-        key = (d.slice, d.chip, d.core)
-        if key not in index:
-            raise MeshMismatchError(
-                f"planned device {dev_id} (slice {d.slice}, chip {d.chip}, core {d.core}) is not in the runtime",
-                "the slice's physical layout differs from the plan; check --topology",
-            )
-        out.append(index[key])
-    return out
+    return plan.match_physical(attributes, "the runtime")
 
 
 ADAPTER = TorchXLA()
