@@ -185,9 +185,9 @@ def sharding_lines(s: ShardingPlan) -> list[str]:
 
 def sharding_rich(s: ShardingPlan) -> Group:
     lines = sharding_lines(s)
-    table = Table(title=lines[0], title_justify="left", caption=lines[1] + "\n" + lines[2], caption_justify="left")
+    table = Table(title=lines[0], title_justify="left")
     table.add_column("block (rows:cols...)")
     table.add_column("devices")
     for ranges, devs in s.blocks()[:MAX_ROWS]:
         table.add_row(" ".join(f"[{a}:{b}]" for a, b in ranges), ",".join(map(str, devs)))
-    return Group(table)
+    return Group(table, Text(lines[1]), Text(lines[2], overflow="fold"))
