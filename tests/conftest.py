@@ -47,6 +47,15 @@ def run_json(*args: str, **kw) -> dict:
     return json.loads(proc.stdout)
 
 
+def write_scripts(directory: Path, scripts: dict[str, str]) -> Path:
+    """Write dedented test scripts into a directory (a launch's working directory)."""
+    import textwrap
+
+    for name, body in scripts.items():
+        (directory / name).write_text(textwrap.dedent(body))
+    return directory
+
+
 def last_summary(log_root: Path) -> dict:
     """summary.json of the newest run under a --log-dir."""
     runs = sorted(log_root.iterdir())

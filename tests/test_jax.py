@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, cli_env, last_summary, run_cli
+from conftest import REPO, cli_env, last_summary, run_cli, write_scripts
 from tpulaunch import frameworks, session
 from tpulaunch import mesh as M
 from tpulaunch import topology as T
@@ -92,10 +92,7 @@ SCRIPTS = {
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("jaxwork")
-    for name, body in SCRIPTS.items():
-        (d / name).write_text(textwrap.dedent(body))
-    return d
+    return write_scripts(tmp_path_factory.mktemp("jaxwork"), SCRIPTS)
 
 
 # -- no runtime: plan, env, id mapping, missing jax ---------------------------------------------

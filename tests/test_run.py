@@ -12,13 +12,12 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, last_summary, run_cli
+from conftest import REPO, cli_env, last_summary, run_cli, write_scripts
 
 SCRIPTS = {
     "allreduce.py": """
@@ -52,10 +51,7 @@ SCRIPTS = {
 
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("work")
-    for name, body in SCRIPTS.items():
-        (d / name).write_text(textwrap.dedent(body))
-    return d
+    return write_scripts(tmp_path_factory.mktemp("work"), SCRIPTS)
 
 
 def test_dry_run_json_lists_every_host_env(workdir):

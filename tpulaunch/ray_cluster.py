@@ -61,6 +61,11 @@ class ClusterInfo:
     # ({"tpu", "zone", "project", "port", "temp_dir", "python"}; see `ray_remote`). None otherwise.
     remote: dict | None = None
 
+    @property
+    def running_here(self) -> bool:
+        """True when this is a cluster tpulaunch started on this machine and it still runs."""
+        return bool(self.temp_dir) and bool(cluster_pids(self.temp_dir))  # type: ignore[arg-type]
+
     def ray_env(self) -> dict[str, str]:
         """Environment a process needs to talk to this cluster."""
         env = {"RAY_USAGE_STATS_ENABLED": "0"}
@@ -310,7 +315,7 @@ def resolve_address(address: str | None) -> ClusterInfo | None:
             return ClusterInfo(address=os.environ["RAY_ADDRESS"], temp_dir=None,
                                token_path=os.environ.get("RAY_AUTH_TOKEN_PATH"), emulated=False)
         rec = load_record()
-        if rec is not None and rec.temp_dir and cluster_pids(rec.temp_dir):
+        if rec is not None and rec.running_here:
             return rec
         if rec is not None and not rec.temp_dir and not rec.emulated:
             return rec

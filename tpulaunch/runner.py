@@ -26,10 +26,10 @@ from typing import Protocol
 from tpulaunch.agent import HostAgent, dumps_state
 from tpulaunch.errors import ClusterError, ExitCode, LaunchError
 from tpulaunch.launch import HostState, LaunchPlan
+from tpulaunch.ray_slices import SLICE as LABEL_SLICE
+from tpulaunch.ray_slices import WORKER as LABEL_WORKER
 
 POLL_S = 0.1
-LABEL_SLICE = "ray.io/tpu-slice-name"
-LABEL_WORKER = "ray.io/tpu-worker-id"
 WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "node_modules"]
 
 
@@ -118,15 +118,11 @@ def workdir_runtime_env(workdir: str, max_mb: float) -> dict:
 
 def _diagnose(plan: LaunchPlan) -> str:
     """Say what Ray lacks when the slice cannot be scheduled."""
-    import ray
+    from tpulaunch import ray_slices
 
     want = {(s.name, w.worker_id) for s in plan.slices for w in s.workers}
-    have: dict[tuple[str, int], bool] = {}
-    for n in ray.nodes():
-        labels = n.get("Labels") or {}
-        if LABEL_SLICE in labels and n.get("Alive"):
-            have[(labels[LABEL_SLICE], int(labels.get(LABEL_WORKER, -1)))] = True
-    missing = sorted(want - set(have))
+    have = {(s.name, w) for s in ray_slices.discover() for w, _ip, alive, _busy in s.workers if alive}
+    missing = sorted(want - have)
     if missing:
         shown = ", ".join(f"{s} worker {w}" for s, w in missing[:8])
         return f"no alive Ray node carries {shown}" + (" ..." if len(missing) > 8 else "")

@@ -56,11 +56,9 @@ class Prepared:
     resolved: ResolvedSlices
     cluster: ray_cluster.ClusterInfo | None  # an existing cluster to join (None: start one)
     framework_reason: str
-    max_upload_mb: float = 100.0
-    ship_workdir: bool = True
-    schedule_timeout: float = 120.0
+    request: LaunchRequest
+    runtime_env: dict | None  # the working directory Ray ships to every host (checked for size)
     notes: tuple[str, ...] = ()
-    kill_stale: bool = False
 
 
 def _framework(req: LaunchRequest, workdir: Path) -> tuple[str, str]:
@@ -112,8 +110,8 @@ def prepare(req: LaunchRequest) -> Prepared:
             t, tuple(SliceSpec.emulated_from(t, s.name, i) for i, s in enumerate(resolved.slices)), True, "tpu-api"
         )
     emulated = resolved.emulated or (cluster is not None and cluster.emulated)
-    if req.ship_workdir:
-        workdir_runtime_env(str(workdir), req.max_upload_mb)  # refuse an oversized directory before anything starts
+    # Checked here so an oversized directory is refused before anything starts.
+    runtime_env = workdir_runtime_env(str(workdir), req.max_upload_mb) if req.ship_workdir else None
     fw, reason = _framework(req, workdir)
     if not req.command:
         frameworks.require_installed(fw)
@@ -127,8 +125,7 @@ def prepare(req: LaunchRequest) -> Prepared:
         emulated=emulated, metadata_server=(resolved.source in ("metadata", "ray")), distributed=req.distributed and not req.command,
         log_dir=str((Path(req.log_dir) / run_id).resolve()), workdir=str(workdir), command=tuple(req.command),
     )
-    return Prepared(plan, resolved, cluster, reason, req.max_upload_mb, req.ship_workdir, req.schedule_timeout,
-                    tuple(notes), req.kill_stale)
+    return Prepared(plan, resolved, cluster, reason, req, runtime_env, tuple(notes))
 
 
 def _slices_from_ray(req: LaunchRequest, cluster: ray_cluster.ClusterInfo) -> ResolvedSlices:
@@ -194,10 +191,9 @@ def launch(prep: Prepared, sink: Sink, *, dashboard: bool = False) -> RunSummary
             )
             owned = cluster = ray_cluster.start_emulated(list(plan.slices), plan.topology, dashboard=dashboard,
                                                          progress=sink.progress)
-        runtime_env = workdir_runtime_env(plan.workdir, prep.max_upload_mb) if prep.ship_workdir else None
-        ray_cluster.connect(cluster, runtime_env)
+        ray_cluster.connect(cluster, prep.runtime_env)
         signal.signal(signal.SIGTERM, old_term)
-        return execute(plan, sink, schedule_timeout_s=prep.schedule_timeout, kill_stale=prep.kill_stale)
+        return execute(plan, sink, schedule_timeout_s=prep.request.schedule_timeout, kill_stale=prep.request.kill_stale)
     except _Terminated:
         from tpulaunch.errors import ClusterError, ExitCode
 

@@ -54,7 +54,7 @@ def up(
     if rec is not None and rec.remote:
         raise ClusterError(f"a cluster on TPU '{rec.remote['tpu']}' is recorded as up",
                            "stop it first with `tpulaunch cluster down`")
-    if rec is not None and rec.temp_dir and ray_cluster.cluster_pids(rec.temp_dir):
+    if rec is not None and rec.running_here:
         raise ClusterError(f"a cluster is already up at {rec.address}", "stop it first with `tpulaunch cluster down`")
     resolved = resolve_slices(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
                               num_slices=num_slices, slice_name=name, use_metadata=False)

@@ -47,7 +47,7 @@ def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, p
     from tpulaunch.ray_remote import RemoteSlice
 
     rec = ray_cluster.load_record()
-    if rec is not None and rec.temp_dir and ray_cluster.cluster_pids(rec.temp_dir):
+    if rec is not None and rec.running_here:
         raise ClusterError(f"an emulated cluster is up at {rec.address}", "stop it first with `tpulaunch cluster down`")
     spec = discovery.describe_node(tpu, zone=zone, project=project)
     discovery.check_matches(spec, topology, accelerator)
