@@ -307,8 +307,8 @@ def _render(renderable) -> str:
 
 
 def test_rich_topology_and_mesh_render():
-    from tpulaunch import mesh as M
-    from tpulaunch import topology as T
+    from tpulaunch.plan import mesh as M
+    from tpulaunch.plan import topology as T
     from tpulaunch.cli import render
 
     t = T.resolve("tpu7x-16")

@@ -28,7 +28,10 @@ except ImportError:  # tests/ on sys.path instead of the repo root
     from fakes.metadata_server import FakeMetadataServer
     from fakes.tpu_api_server import FakeTpuApi, standard_nodes
 
-from tpulaunch import gcloud, ray_remote, topology, tpu_holders
+from tpulaunch import gcloud
+from tpulaunch.cluster import remote as ray_remote
+from tpulaunch.host import tpu_holders
+from tpulaunch.plan import topology
 
 ZONE = "us-central2-b"
 

@@ -18,8 +18,8 @@ except ImportError:  # tests/ on sys.path instead of the repo root
     from fakes import closed_port, hermetic_path
     from fakes.tpu_api_server import FakeTpuApi, make_node, standard_nodes, standard_queued_resources
 
-from tpulaunch import discovery
-from tpulaunch.discovery import tpu_api
+from tpulaunch import discover as discovery
+from tpulaunch.discover import tpu_api
 from tpulaunch.errors import (
     ApiPermissionError,
     ApiUnreachableError,

@@ -19,8 +19,8 @@ except ImportError:  # tests/ on sys.path instead of the repo root
     from fakes.metadata_server import FakeMetadataServer, tpu_env_text
     from fakes.tpu_api_server import FakeTpuApi
 
-from tpulaunch import discovery
-from tpulaunch.discovery import metadata
+from tpulaunch import discover as discovery
+from tpulaunch.discover import metadata
 from tpulaunch.errors import ExitCode, MetadataError, SliceNotReadyError
 
 

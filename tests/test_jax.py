@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 
 from conftest import REPO, cli_env, last_summary, run_cli, write_scripts
-from tpulaunch import frameworks, session
-from tpulaunch import mesh as M
-from tpulaunch import topology as T
+from tpulaunch import run
+from tpulaunch.host import frameworks
+from tpulaunch.plan import mesh as M
+from tpulaunch.plan import topology as T
 from tpulaunch.errors import LaunchError, MeshMismatchError
-from tpulaunch.frameworks.jax import ADAPTER, device_order
+from tpulaunch.host.frameworks.jax import ADAPTER, device_order
 
 # The global array every host builds with make_array_from_callback (and the test with numpy).
 SUM_SHAPE = (16, 12)
@@ -173,9 +174,9 @@ def test_framework_jax_without_jax_installed_names_the_extra(monkeypatch, workdi
     # the same, from a launch request (explicit and auto-detected), before anything starts
     monkeypatch.chdir(workdir)
     for fw in ("jax", "auto"):
-        req = session.LaunchRequest(script="jax_checks.py", topology="2x8", framework=fw, workdir=str(workdir))
+        req = run.LaunchRequest(script="jax_checks.py", topology="2x8", framework=fw, workdir=str(workdir))
         with pytest.raises(LaunchError) as e:
-            session.prepare(req)
+            run.prepare(req)
         assert "tpulaunch[jax]" in e.value.line()
 
 
@@ -184,10 +185,10 @@ def test_build_mesh_checks_device_counts_and_single_host_boot():
     its mesh; plans needing another device count, or another count per host, are refused."""
     code = textwrap.dedent("""
         import json
-        from tpulaunch import mesh as M, topology as T
-        from tpulaunch.launch import HostState
+        from tpulaunch.plan import mesh as M, topology as T
+        from tpulaunch.plan.launch import HostState
         from tpulaunch.errors import MeshMismatchError
-        from tpulaunch.frameworks.jax import ADAPTER
+        from tpulaunch.host.frameworks.jax import ADAPTER
 
         def state(plan):
             return HostState(run_id="r", process_index=0, num_processes=plan.num_processes, worker_id=0,

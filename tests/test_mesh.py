@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from tpulaunch import mesh as M
-from tpulaunch import topology as T
+from tpulaunch.plan import mesh as M
+from tpulaunch.plan import topology as T
 from tpulaunch.errors import MeshError
 
 
@@ -28,11 +28,11 @@ def topo(spec: str, gen: str | None = None, **kw) -> T.Topology:
 def test_importing_mesh_loads_no_framework():
     code = (
         "import json, sys\n"
-        "import tpulaunch.mesh, tpulaunch.topology\n"
-        "p = tpulaunch.mesh.plan_mesh(tpulaunch.topology.resolve('v4-32'), 'data=2,model=-1')\n"
+        "import tpulaunch.plan.mesh, tpulaunch.plan.topology\n"
+        "p = tpulaunch.plan.mesh.plan_mesh(tpulaunch.plan.topology.resolve('v4-32'), 'data=2,model=-1')\n"
         "p.sharding((8, 8), ('data', 'model'))\n"
         "a = sorted(m for m in ('torch', 'torch_xla', 'jax', 'numpy') if m in sys.modules)\n"
-        "import tpulaunch.frameworks.torch_xla  # the adapter imports its framework lazily\n"
+        "import tpulaunch.host.frameworks.torch_xla  # the adapter imports its framework lazily\n"
         "b = sorted(m for m in ('torch', 'torch_xla', 'jax') if m in sys.modules)\n"
         "print(json.dumps([a, b]))\n"
     )

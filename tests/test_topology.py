@@ -8,7 +8,7 @@ import pickle
 import pytest
 import ray._private.accelerators.tpu as ray_tpu
 
-from tpulaunch import topology as T
+from tpulaunch.plan import topology as T
 from tpulaunch.errors import TopologyError
 
 ALL_GENS = list(T.GENERATIONS)

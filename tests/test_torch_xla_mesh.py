@@ -15,10 +15,10 @@ import textwrap
 
 import pytest
 
-from tpulaunch import mesh as M
-from tpulaunch import topology as T
+from tpulaunch.plan import mesh as M
+from tpulaunch.plan import topology as T
 from tpulaunch.errors import MeshMismatchError
-from tpulaunch.frameworks.torch_xla import runtime_device_ids
+from tpulaunch.host.frameworks.torch_xla import runtime_device_ids
 
 # (case id, topology kwargs, mesh, dcn, num_slices, tensor shape, partition spec)
 CASES_16 = [
@@ -70,9 +70,9 @@ SCRIPT = textwrap.dedent(
     import torch_xla.distributed.spmd as xs
 
     xr.use_spmd()
-    from tpulaunch import mesh as M, topology as T
+    from tpulaunch.plan import mesh as M, topology as T
     from tpulaunch.errors import MeshMismatchError
-    from tpulaunch.frameworks.torch_xla import ADAPTER
+    from tpulaunch.host.frameworks.torch_xla import ADAPTER
 
     job = json.loads(sys.argv[1])
     out = {"device_count": xr.global_runtime_device_count(), "cases": {}, "mismatch": [], "compute": None}

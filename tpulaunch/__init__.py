@@ -7,7 +7,7 @@ Inside a launched script::
     ctx = tpulaunch.context()        # process index, world size, coordinator, slice, run id, ...
 """
 
-from tpulaunch.runcontext import context, get_mesh, get_mesh_plan
+from tpulaunch.host.context import context, get_mesh, get_mesh_plan
 
 __all__ = ["context", "get_mesh", "get_mesh_plan"]
 __version__ = "0.1.0"

@@ -16,9 +16,9 @@ import tpulaunch  # noqa: E402
 try:
     mesh = tpulaunch.get_mesh()
 except Exception:  # noqa: BLE001 - not launched: build the same mesh by hand
-    from tpulaunch import topology
-    from tpulaunch.frameworks.torch_xla import ADAPTER
-    from tpulaunch.mesh import plan_mesh
+    from tpulaunch.plan import topology
+    from tpulaunch.host.frameworks.torch_xla import ADAPTER
+    from tpulaunch.plan.mesh import plan_mesh
 
     xr.use_spmd()
     plan = plan_mesh(topology.resolve(topology=os.environ.get("BENCH_TOPOLOGY", "2x8")))

@@ -28,9 +28,10 @@ try:
 except Exception:  # noqa: BLE001 - direct run: build the mesh like tpulaunch would
     import torch_xla.runtime as xr
 
-    from tpulaunch import runcontext, topology
-    from tpulaunch.frameworks.torch_xla import ADAPTER
-    from tpulaunch.mesh import plan_mesh
+    from tpulaunch.host import context as runcontext
+    from tpulaunch.plan import topology
+    from tpulaunch.host.frameworks.torch_xla import ADAPTER
+    from tpulaunch.plan.mesh import plan_mesh
 
     xr.use_spmd()
     plan = plan_mesh(topology.resolve(topology=os.environ.get("BENCH_TOPOLOGY", "2x4")))

@@ -42,16 +42,24 @@ def _root(
         _DEBUG["on"] = True
 
 
-def _register() -> None:
-    # One module per command (or command group); imported here so `tpulaunch --help` lists them.
-    from tpulaunch.cli import cmd_mesh, cmd_topology  # noqa: F401
+# One module per command (or command group), in the order `tpulaunch --help` lists them.
+COMMAND_MODULES = {
+    "topology": "cmd_topology", "mesh": "cmd_mesh", "run": "cmd_run", "exec": "cmd_exec",
+    "slice": "cmd_slice", "cluster": "cmd_cluster",
+}
 
-    for optional in ("cmd_run", "cmd_cluster", "cmd_slice", "cmd_exec"):
-        try:
-            __import__(f"tpulaunch.cli.{optional}")
-        except ModuleNotFoundError as e:
-            if e.name != f"tpulaunch.cli.{optional}":
-                raise
+
+def _register(argv: list[str]) -> None:
+    """Import the command the user typed, or every command (for `--help` and unknown names).
+
+    Importing only the one that runs keeps `tpulaunch topology` from loading the launch machinery.
+    """
+    import importlib
+
+    first = next((a for a in argv if not a.startswith("-")), None)
+    wanted = [COMMAND_MODULES[first]] if first in COMMAND_MODULES else list(COMMAND_MODULES.values())
+    for name in wanted:
+        importlib.import_module(f"tpulaunch.cli.{name}")
 
 
 def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
@@ -75,7 +83,7 @@ def main() -> None:
     """Console-script entry point."""
     from tpulaunch.cli.output import Output
 
-    _register()
+    _register(sys.argv[1:])
     if any(a == "--debug" for a in sys.argv[1:]):
         _DEBUG["on"] = True
     try:

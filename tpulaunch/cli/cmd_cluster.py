@@ -7,7 +7,10 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from tpulaunch import ray_cluster
+from tpulaunch import discover
+from tpulaunch.cluster import emulated
+from tpulaunch.cluster.connect import connect, disconnect, resolve_address
+from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, save_record
 from tpulaunch.cli import app
 from tpulaunch.cli import cmd_cluster_remote as remote
 from tpulaunch.cli.cmd_mesh import NUM_SLICES_OPT
@@ -15,7 +18,7 @@ from tpulaunch.cli.cmd_slice import PROJECT_OPT, ZONE_OPT
 from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
 from tpulaunch.cli.output import Output
 from tpulaunch.errors import ClusterError
-from tpulaunch.resolve import resolve_slices
+from tpulaunch.plan import topology as topo_mod
 
 cluster_app = typer.Typer(help="Start, inspect and stop the Ray cluster runs use.", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
@@ -50,14 +53,16 @@ def up(
         remote.up_remote(out, tpu, zone, project, port=port, python=remote_python, temp_dir=ray_temp_dir,
                          dashboard=dashboard, topology=topology, accelerator=accelerator, json_out=json_out)
         return
-    rec = ray_cluster.load_record()
+    rec = load_record()
     if rec is not None and rec.remote:
         raise ClusterError(f"a cluster on TPU '{rec.remote['tpu']}' is recorded as up",
                            "stop it first with `tpulaunch cluster down`")
     if rec is not None and rec.running_here:
         raise ClusterError(f"a cluster is already up at {rec.address}", "stop it first with `tpulaunch cluster down`")
-    resolved = resolve_slices(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
-                              num_slices=num_slices, slice_name=name, use_metadata=False)
+    req = discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
+                                num_slices=num_slices, name=name)
+    topo = topo_mod.resolve(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host)
+    resolved = discover.emulated_slices(topo, discover.request_num_slices(req), name)
     t = resolved.topology
     with out.status(f"starting {len(resolved.slices) * t.num_hosts} emulated host node(s) ...") as st:
         def progress(msg: str) -> None:
@@ -66,8 +71,8 @@ def up(
             else:
                 out.info(msg)
 
-        info = ray_cluster.start_emulated(list(resolved.slices), t, dashboard=dashboard, progress=progress)
-    ray_cluster.save_record(info)
+        info = emulated.start_emulated(list(resolved.slices), t, dashboard=dashboard, progress=progress)
+    save_record(info)
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": True,
                   "slices": info.slices, "token_path": info.token_path})
@@ -76,16 +81,16 @@ def up(
         out.line(f"cluster up at {info.address} (token auth on; token in {info.token_path})")
 
 
-def _status_doc(info: ray_cluster.ClusterInfo) -> dict:
+def _status_doc(info: ClusterInfo) -> dict:
     if info.remote:
         return remote.status_doc_remote(info)
-    from tpulaunch import ray_slices
+    from tpulaunch.discover import ray_labels
 
-    ray_cluster.connect(info)  # before Ray is imported: it reads its auth settings from the env
+    connect(info)  # before Ray is imported: it reads its auth settings from the env
     try:
-        found = ray_slices.discover()
+        found = ray_labels.read_slices()
     finally:
-        ray_cluster.disconnect()
+        disconnect()
     return {
         "schema": "tpulaunch.cluster-status/v1", "address": info.address, "emulated": info.emulated,
         "slices": [
@@ -103,7 +108,7 @@ def status(
 ) -> None:
     """Each slice the cluster knows, its hosts, which are alive and which are busy with a run."""
     out = Output(json_mode=json_out)
-    info = ray_cluster.resolve_address(address)
+    info = resolve_address(address)
     assert info is not None
     doc = _status_doc(info)
     if json_out:
@@ -129,14 +134,14 @@ def status(
 def down(json_out: bool = JSON_OPT) -> None:
     """Stop the cluster `tpulaunch cluster up` started (only its processes)."""
     out = Output(json_mode=json_out)
-    rec = ray_cluster.load_record()
+    rec = load_record()
     if rec is None:
         raise ClusterError("no cluster is recorded as up", "nothing to stop (`tpulaunch cluster up` starts one)")
     if rec.remote:
         remote.down_remote(out, rec, json_out)
         return
-    n = ray_cluster.stop_cluster(rec)
-    ray_cluster.clear_record()
+    n = emulated.stop_cluster(rec)
+    clear_record()
     if json_out:
         out.json({"schema": "tpulaunch.cluster-down/v1", "address": rec.address, "processes_stopped": n})
     else:

@@ -15,7 +15,8 @@ from typing import Optional
 
 import typer
 
-from tpulaunch import ray_cluster, tpu_holders
+from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, save_record
+from tpulaunch.host import tpu_holders
 from tpulaunch.cli.output import Output
 from tpulaunch.errors import ClusterError, DiscoveryError, ExitCode
 
@@ -43,15 +44,15 @@ class HostProgress:
 def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, port: int, python: str,
               temp_dir: str | None, dashboard: bool, topology: str | None, accelerator: str | None,
               json_out: bool) -> None:
-    from tpulaunch import discovery
-    from tpulaunch.ray_remote import RemoteSlice
+    from tpulaunch import discover
+    from tpulaunch.cluster.remote import RemoteSlice
 
-    rec = ray_cluster.load_record()
+    rec = load_record()
     if rec is not None and rec.running_here:
         raise ClusterError(f"an emulated cluster is up at {rec.address}", "stop it first with `tpulaunch cluster down`")
-    spec = discovery.describe_node(tpu, zone=zone, project=project)
-    discovery.check_matches(spec, topology, accelerator)
-    discovery.check_ready(spec, force=False)
+    spec = discover.describe_node(tpu, zone=zone, project=project)
+    discover.check_matches(spec, topology, accelerator)
+    discover.check_ready(spec, force=False)
     if rec is not None and rec.remote and (rec.remote["tpu"], rec.remote["zone"], rec.remote["project"]) != (
             spec.name, spec.zone, spec.project):
         raise ClusterError(f"a cluster on TPU '{rec.remote['tpu']}' is recorded as up",
@@ -60,7 +61,7 @@ def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, p
     n = len(spec.workers)
     with out.status(f"bringing up Ray on {n} host(s) of {spec.name} ...") as st:
         info = rs.up(progress=HostProgress(out, st, n))
-    ray_cluster.save_record(info)
+    save_record(info)
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,
                   "slices": info.slices, "token_path": info.token_path, "remote": info.remote})
@@ -69,9 +70,9 @@ def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, p
                  f"token auth on; token in {info.token_path})")
 
 
-def status_doc_remote(info: ray_cluster.ClusterInfo) -> dict:
-    from tpulaunch import ray_slices
-    from tpulaunch.ray_remote import RemoteSlice
+def status_doc_remote(info: ClusterInfo) -> dict:
+    from tpulaunch.cluster.remote import RemoteSlice
+    from tpulaunch.discover import ray_labels
 
     rs = RemoteSlice.from_record(info)
     q = rs.query()  # over gcloud ssh to worker 0: Ray's ports are internal to the slice
@@ -79,7 +80,7 @@ def status_doc_remote(info: ray_cluster.ClusterInfo) -> dict:
         raise ClusterError(f"the Ray head of TPU '{rs.spec.name}' ({rs.address}) does not answer",
                            "start it again with `tpulaunch cluster up --tpu ...`")
     nodes = q["nodes"]
-    found = ray_slices.slices_from_nodes(nodes, {n["NodeID"]: n.get("Available") or {} for n in nodes})
+    found = ray_labels.slices_from_nodes(nodes, {n["NodeID"]: n.get("Available") or {} for n in nodes})
     return {
         "schema": "tpulaunch.cluster-status/v1", "address": info.address, "emulated": False,
         "slices": [
@@ -90,8 +91,8 @@ def status_doc_remote(info: ray_cluster.ClusterInfo) -> dict:
     }
 
 
-def down_remote(out: Output, rec: ray_cluster.ClusterInfo, json_out: bool) -> None:
-    from tpulaunch.ray_remote import RemoteSlice
+def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
+    from tpulaunch.cluster.remote import RemoteSlice
 
     rs = RemoteSlice.from_record(rec)
     n = len(rs.spec.workers)
@@ -102,7 +103,7 @@ def down_remote(out: Output, rec: ray_cluster.ClusterInfo, json_out: bool) -> No
     if bad:
         raise ClusterError("could not stop Ray on " + "; ".join(f"worker {w}: {m}" for w, m in sorted(bad.items())),
                            "run `tpulaunch cluster down` again")
-    ray_cluster.clear_record()
+    clear_record()
     if rec.token_path:
         Path(rec.token_path).unlink(missing_ok=True)
     stopped = sum(r.get("stopped", 0) for r in results.values())
@@ -130,11 +131,11 @@ def register(cluster_app: typer.Typer) -> None:
         Run it on every worker, e.g. `gcloud compute tpus tpu-vm ssh NAME --worker=all
         --command 'tpulaunch cluster join --token-stdin' < token`.
         """
-        from tpulaunch import discovery
-        from tpulaunch.ray_remote import join_local
+        from tpulaunch import discover
+        from tpulaunch.cluster.remote import join_local
 
         out = Output(json_mode=json_out)
-        local = discovery.local_host()
+        local = discover.local_host()
         if local is None:
             raise DiscoveryError("this is not a TPU VM (no TPU devices, no TPU metadata)",
                                  "run `tpulaunch cluster join` on the TPU VMs, or `cluster up --tpu NAME` from elsewhere")

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from tpulaunch import session
+from tpulaunch import run
 from tpulaunch.cli import app
 from tpulaunch.cli.cmd_mesh import NUM_SLICES_OPT
 from tpulaunch.cli.cmd_run import run_request
@@ -46,7 +46,7 @@ def exec_cmd(
     """
     if not command:
         raise LaunchError("no command given", "write it after --, e.g. tpulaunch exec --topology 2x8 -- hostname")
-    req = session.LaunchRequest(
+    req = run.LaunchRequest(
         command=list(command), topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
         tpu=tpu, zone=zone, project=project, force=force, num_slices=num_slices, env=list(env or []),
         kill_stale=kill_stale, address=address, distributed=False, log_dir=log_dir, workdir=workdir, ship_workdir=not no_ship,

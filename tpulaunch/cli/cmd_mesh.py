@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from tpulaunch import mesh as mesh_mod
+from tpulaunch.plan import mesh as mesh_mod
+from tpulaunch import discover
 from tpulaunch.cli import app, render
 from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
 from tpulaunch.cli.output import Output
@@ -50,10 +51,10 @@ def inspect(
     Example: `tpulaunch mesh inspect --topology 2x8 --shard 1024x4096 --spec data,model`.
     """
     out = Output(json_mode=json_out)
-    resolved = resolve_slices(
-        out, topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
+    resolved = resolve_slices(out, discover.SliceRequest(
+        topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
         tpu=tpu, zone=zone, project=project, num_slices=num_slices, dcn=dcn,
-    )
+    ))
     plan = mesh_mod.plan_mesh(resolved.topology, mesh, dcn, resolved.num_slices)
     sharding = None
     if shard or spec:

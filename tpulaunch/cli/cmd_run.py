@@ -7,14 +7,14 @@ from typing import List, Optional
 import typer
 from rich.text import Text
 
-from tpulaunch import session
+from tpulaunch import run
 from tpulaunch.cli import app
 from tpulaunch.cli.cmd_mesh import DCN_OPT, MESH_OPT, NUM_SLICES_OPT
 from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
 from tpulaunch.cli.output import Output, host_color
 from tpulaunch.cli.slices import SLICE_OPTIONS
 from tpulaunch.errors import LaunchError
-from tpulaunch.runner import RunSummary
+from tpulaunch.run import RunSummary
 
 
 class TerminalSink:
@@ -64,7 +64,7 @@ def report(out: Output, summary: RunSummary) -> None:
         out.info(f"run {summary.run_id}: all {len(summary.hosts)} host(s) exited 0; logs in {summary.log_dir}")
 
 
-def print_plan(out: Output, prep: session.Prepared) -> None:
+def print_plan(out: Output, prep: run.Prepared) -> None:
     plan = prep.plan
     if out.json_mode:
         out.json(plan.to_dict())
@@ -77,7 +77,7 @@ def print_plan(out: Output, prep: session.Prepared) -> None:
     out.line(f"coordinator: {plan.coordinator_address}")
     for line in render.mesh_lines(plan.mesh):
         out.line(line)
-    for line in session.iter_env_lines(plan):
+    for line in render.env_lines(plan):
         out.line(line)
 
 
@@ -123,7 +123,7 @@ def run_cmd(
     exits 0, else the first failing host's code (130/143 when interrupted).
     """
     out = Output(json_mode=json_out)
-    req = session.LaunchRequest(
+    req = run.LaunchRequest(
         script=script, args=list(script_args or []) + list(ctx.args), topology=topology, accelerator=accelerator,
         chips_per_host=chips_per_host, tpu=tpu, queued_resource=queued_resource, zone=zone, project=project,
         force=force, num_slices=num_slices, mesh=mesh, dcn=dcn, framework=framework, env=list(env or []),
@@ -133,10 +133,10 @@ def run_cmd(
     raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run))
 
 
-def run_request(out: Output, req: session.LaunchRequest, *, hosts: str | None, dry_run: bool) -> int:
+def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_run: bool) -> int:
     """Shared by `run` and `exec`: plan, maybe print, launch, report. Returns the exit code."""
     show = parse_hosts(hosts)
-    prep = session.prepare(req)
+    prep = run.prepare(req)
     for note in (*prep.resolved.topology.notes, *prep.notes):
         out.info(f"note: {note}")
     if dry_run:
@@ -150,6 +150,6 @@ def run_request(out: Output, req: session.LaunchRequest, *, hosts: str | None, d
         )
     if not req.command:
         out.info(f"framework: {plan.framework} ({prep.framework_reason})")
-    summary = session.launch(prep, TerminalSink(out, show))
+    summary = run.launch(prep, TerminalSink(out, show))
     report(out, summary)
     return summary.exit_code

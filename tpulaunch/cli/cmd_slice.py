@@ -1,6 +1,6 @@
 """`tpulaunch slice describe|list`: what a real slice is, as the Cloud TPU API or metadata server see it.
 
-Thin: the library (`tpulaunch.discovery`) finds the slice; this module only picks the source
+Thin: the library (`tpulaunch.discover`) finds the slice; this module only picks the source
 from the arguments and renders (rich on a terminal, `key: value` lines in a pipe, `--json`).
 """
 
@@ -13,11 +13,11 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from tpulaunch import discovery
+from tpulaunch import discover
 from tpulaunch.cli import app
 from tpulaunch.cli.output import Output
 from tpulaunch.errors import TpulaunchError
-from tpulaunch.slicespec import SliceSpec
+from tpulaunch.plan.slicespec import SliceSpec
 
 slice_app = typer.Typer(
     name="slice",
@@ -67,14 +67,14 @@ def describe_cmd(
         if name:
             raise TpulaunchError("give a node NAME or --queued-resource, not both")
         with out.status(f"asking the Cloud TPU API about queued resource {queued_resource} ..."):
-            specs = discovery.describe_queued_resource(queued_resource, zone=zone, project=project, timeout=timeout)
+            specs = discover.describe_queued_resource(queued_resource, zone=zone, project=project, timeout=timeout)
     elif name:
         with out.status(f"asking the Cloud TPU API about {name} ..."):
-            specs = [discovery.describe_node(name, zone=zone, project=project, timeout=timeout)]
+            specs = [discover.describe_node(name, zone=zone, project=project, timeout=timeout)]
     else:
         if zone or project:
             raise TpulaunchError("--zone/--project need a node NAME or --queued-resource", "tpulaunch slice describe NAME --zone ZONE")
-        local = discovery.local_host(timeout)
+        local = discover.local_host(timeout)
         if local is None:
             raise TpulaunchError(
                 "no slice named, and this machine is not a TPU VM (no /dev/accel*, no TPULAUNCH_METADATA_HOST)",
@@ -115,15 +115,15 @@ def describe_cmd(
             out.line(line)
 
     for s in specs:
-        for problem in discovery.check_ready(s, force):
+        for problem in discover.check_ready(s, force):
             out.warn(f"slice '{s.name}': {problem} (ignored because of --force)")
 
 
 def slice_doc(spec: SliceSpec, *, this_worker: int | None = None) -> dict:
     """`SliceSpec.to_dict()` plus what the catalog derives from it (generation, hosts, ...)."""
     doc = spec.to_dict()
-    doc["generation"] = discovery.generation_of(spec)
-    problems = discovery.readiness_problems(spec)
+    doc["generation"] = discover.generation_of(spec)
+    problems = discover.readiness_problems(spec)
     doc["ready"] = not problems
     doc["problems"] = problems
     notes: list[str] = []
@@ -148,7 +148,7 @@ def slice_doc(spec: SliceSpec, *, this_worker: int | None = None) -> dict:
 def _mesh_doc(specs: list[SliceSpec]) -> dict | None:
     """The default mesh `tpulaunch run` would build, if the mesh planner is available."""
     try:
-        from tpulaunch.mesh import plan_mesh
+        from tpulaunch.plan.mesh import plan_mesh
     except ImportError:
         return None
     try:
@@ -277,16 +277,16 @@ def list_cmd(
 ) -> None:
     """List the TPU nodes of a zone (`--zone -` for every zone): type, topology, state, health."""
     out = Output(json_mode=json_out)
-    p, z, prov = discovery.resolve_project_zone(project, zone)
+    p, z, prov = discover.resolve_project_zone(project, zone)
     where = ", ".join(f"{k} {v} (from {prov[k]})" for k, v in (("project", p), ("zone", z)) if v)
     with out.status(f"listing TPU nodes: {where or 'no project/zone'} ..."):
-        specs = discovery.list_nodes(zone=z, project=p, timeout=timeout)
+        specs = discover.list_nodes(zone=z, project=p, timeout=timeout)
     rows = []
     for s in specs:
         d = s.to_dict()
         d["provenance"] = {**d["provenance"], **prov}
-        d["generation"] = discovery.generation_of(s)
-        d["ready"] = not discovery.readiness_problems(s)
+        d["generation"] = discover.generation_of(s)
+        d["ready"] = not discover.readiness_problems(s)
         rows.append(d)
     if json_out:
         out.json({"schema": "tpulaunch.slice-list/v1", "project": p, "zone": z, "provenance": prov, "nodes": rows})

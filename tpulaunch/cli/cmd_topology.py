@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from tpulaunch import topology as topo_mod
+from tpulaunch.plan import topology as topo_mod
 from tpulaunch.cli import app
 from tpulaunch.cli import render
 from tpulaunch.cli.output import Output

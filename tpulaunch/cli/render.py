@@ -13,8 +13,9 @@ from rich.table import Table
 from rich.text import Text
 
 from tpulaunch.cli.output import host_color
-from tpulaunch.mesh import MeshPlan, ShardingPlan
-from tpulaunch.topology import Topology
+from tpulaunch.plan.launch import LaunchPlan
+from tpulaunch.plan.mesh import MeshPlan, ShardingPlan
+from tpulaunch.plan.topology import Topology
 
 MAX_ROWS = 64  # tables longer than this are cut (the JSON form is never cut)
 
@@ -191,3 +192,12 @@ def sharding_rich(s: ShardingPlan) -> Group:
     for ranges, devs in s.blocks()[:MAX_ROWS]:
         table.add_row(" ".join(f"[{a}:{b}]" for a, b in ranges), ",".join(map(str, devs)))
     return Group(table, Text(lines[1]), Text(lines[2], overflow="fold"))
+
+
+def env_lines(plan: LaunchPlan) -> list[str]:
+    """Every host's environment, as `--dry-run` prints it."""
+    out = []
+    for h in plan.hosts:
+        out.append(f"host {h.process_index} (slice {h.slice_index} worker {h.worker_id}, {h.ip}):")
+        out.extend(f"  {k}={v}" for k, v in sorted(h.env.items()))
+    return out

@@ -5,8 +5,7 @@ from __future__ import annotations
 import typer
 
 from tpulaunch.cli.output import Output
-from tpulaunch.resolve import ResolvedSlices
-from tpulaunch.resolve import resolve_slices as _resolve
+from tpulaunch import discover
 
 SLICE_OPTIONS = {
     "tpu": typer.Option(None, "--tpu", help="Cloud TPU node name: discover the slice through the Cloud TPU API."),
@@ -17,9 +16,9 @@ SLICE_OPTIONS = {
 }
 
 
-def resolve_slices(out: Output, **kwargs) -> ResolvedSlices:
-    """Resolve, with a progress line while the API or metadata server is asked."""
-    if kwargs.get("tpu") or kwargs.get("queued_resource"):
+def resolve_slices(out: Output, req: discover.SliceRequest) -> discover.ResolvedSlices:
+    """Resolve (no cluster), with a progress line while the Cloud TPU API is asked."""
+    if req.tpu or req.queued_resource:
         with out.status("asking the Cloud TPU API ..."):
-            return _resolve(**kwargs)
-    return _resolve(**kwargs)
+            return discover.resolve(req)
+    return discover.resolve(req)

@@ -22,7 +22,7 @@ import warnings
 from typing import Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
-from tpulaunch import topology as topo_mod
+from tpulaunch.plan import topology as topo_mod
 from tpulaunch.errors import (
     ApiPermissionError,
     ApiUnreachableError,
@@ -33,7 +33,7 @@ from tpulaunch.errors import (
     TopologyError,
     TpulaunchError,
 )
-from tpulaunch.slicespec import SliceSpec, WorkerEndpoint
+from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 
 ENDPOINT_ENV = "TPULAUNCH_TPU_API_ENDPOINT"
 TIMEOUT_ENV = "TPULAUNCH_API_TIMEOUT"

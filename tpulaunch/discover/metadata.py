@@ -16,9 +16,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from tpulaunch import topology as topo_mod
+from tpulaunch.plan import topology as topo_mod
 from tpulaunch.errors import MetadataError, TopologyError, TpulaunchError
-from tpulaunch.slicespec import SliceSpec, WorkerEndpoint
+from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 
 HOST_ENVS = ("TPULAUNCH_METADATA_HOST", "GCE_METADATA_HOST")
 TIMEOUT_ENV = "TPULAUNCH_METADATA_TIMEOUT"

@@ -1,10 +1,11 @@
-"""Find out what slice we are launching on, and say where each fact came from.
+"""Describe real slices: a node or queued resource from the Cloud TPU API, or this TPU VM's slice
+from the metadata server; and check a slice found against the flags and for readiness.
 
 Sources, each in its own module (one external system per module):
 
 * `tpu_api`: the Cloud TPU API (from a laptop, CI, or any host with credentials);
 * `metadata`: the GCE metadata server (on a TPU VM, no credentials needed);
-* `tpulaunch.gcloud` (top level: the one module that runs gcloud): the active gcloud
+* `tpulaunch.gcloud` (shared with `cluster/`: the one module that runs gcloud): the active gcloud
   configuration, for project/zone defaults only.
 
 Everything returns a `SliceSpec`; nothing here imports google.cloud at module load.
@@ -13,31 +14,18 @@ Everything returns a `SliceSpec`; nothing here imports google.cloud at module lo
 from __future__ import annotations
 
 import os
-import re
 from typing import TYPE_CHECKING
 
-from tpulaunch import topology as topo_mod
+from tpulaunch.plan import topology as topo_mod
+from tpulaunch.plan.catalog import TYPE_RE
 from tpulaunch.errors import DiscoveryError, SliceMismatchError, SliceNotReadyError, TopologyError, TpulaunchError
-from tpulaunch.slicespec import SliceSpec
+from tpulaunch.plan.slicespec import SliceSpec
 
 if TYPE_CHECKING:
-    from tpulaunch.discovery.metadata import LocalSlice
+    from tpulaunch.discover.metadata import LocalSlice
 
 PROJECT_ENVS = ("GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT")
 ZONE_ENVS = ("CLOUDSDK_COMPUTE_ZONE",)
-
-__all__ = [
-    "check_matches",
-    "check_ready",
-    "describe_node",
-    "describe_queued_resource",
-    "generation_of",
-    "list_nodes",
-    "local_host",
-    "local_slice",
-    "resolve_project_zone",
-]
-
 
 # -- project / zone ------------------------------------------------------------------------------
 
@@ -101,7 +89,7 @@ def describe_node(
     endpoint: str | None = None,
 ) -> SliceSpec:
     """One TPU node from the Cloud TPU API. `name` is a node id or `projects/P/locations/Z/nodes/N`."""
-    from tpulaunch.discovery import tpu_api
+    from tpulaunch.discover import tpu_api
 
     p_path, z_path, node = tpu_api.split_node_path(name)
     for flag, given, in_path in (("--project", project, p_path), ("--zone", zone, z_path)):
@@ -122,7 +110,7 @@ def describe_queued_resource(
     endpoint: str | None = None,
 ) -> list[SliceSpec]:
     """The slices of a queued resource (one per node, `slice_index` set) for multislice runs."""
-    from tpulaunch.discovery import tpu_api
+    from tpulaunch.discover import tpu_api
 
     qr = name.rsplit("/", 1)[-1]
     p, z, prov = _require_project_zone(project, zone, f"queued resource '{qr}'")
@@ -138,7 +126,7 @@ def list_nodes(
     page_size: int | None = None,
 ) -> list[SliceSpec]:
     """Every TPU node of a zone (`-` means all zones), across all result pages."""
-    from tpulaunch.discovery import tpu_api
+    from tpulaunch.discover import tpu_api
 
     p, z, prov = _require_project_zone(project, zone, "TPU nodes")
     return tpu_api.list_node_specs(p, z, timeout=timeout, endpoint=endpoint, page_size=page_size, provenance=prov)
@@ -149,7 +137,7 @@ def list_nodes(
 
 def local_host(timeout: float | None = None) -> LocalSlice | None:
     """This TPU VM's slice and worker id from the metadata server; None when clearly not a TPU VM."""
-    from tpulaunch.discovery import metadata
+    from tpulaunch.discover import metadata
 
     if not metadata.looks_like_tpu_vm():
         return None
@@ -164,12 +152,9 @@ def local_slice(timeout: float | None = None) -> SliceSpec | None:
 
 # -- checks --------------------------------------------------------------------------------------
 
-_TYPE_RE = re.compile(r"^([a-z0-9]+?)-(\d+)$")
-
-
 def generation_of(spec: SliceSpec) -> str | None:
     """Catalog generation name (`v5e` for `v5litepod-16`), or the raw prefix if we do not know it."""
-    m = _TYPE_RE.match(spec.accelerator_type.strip().lower())
+    m = TYPE_RE.match(spec.accelerator_type.strip().lower())
     prefix = m.group(1) if m else spec.accelerator_type.strip().lower()
     if not prefix:
         return None
@@ -180,7 +165,7 @@ def generation_of(spec: SliceSpec) -> str | None:
 
 
 def _norm_type(text: str) -> str:
-    m = _TYPE_RE.match(text.strip().lower())
+    m = TYPE_RE.match(text.strip().lower())
     if not m:
         return text.strip().lower()
     try:
@@ -201,7 +186,7 @@ def check_matches(spec: SliceSpec, topology: str | None, accelerator: str | None
                 f"drop --topology, or pass --topology {spec.topology}",
             )
     if accelerator:
-        if _TYPE_RE.match(accelerator.strip().lower()):
+        if TYPE_RE.match(accelerator.strip().lower()):
             if spec.accelerator_type and _norm_type(accelerator) != _norm_type(spec.accelerator_type):
                 raise SliceMismatchError(
                     f"--accelerator {accelerator} does not match: {what}",

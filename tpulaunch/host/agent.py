@@ -2,7 +2,7 @@
 
 The actor reserves all of the host's chips (its placement-group bundle holds `TPU:
 chips_per_host`), but never imports torch_xla or jax itself: it starts
-`python -m tpulaunch.bootstrap` with the host's environment, so the runtime (and the chips) belong
+`python -m tpulaunch.host.bootstrap` with the host's environment, so the runtime (and the chips) belong
 to exactly one process whose exit code is the host's result, and which can be stopped as a
 process group. The child gets `PR_SET_PDEATHSIG`, so if Ray kills the actor the child dies too.
 
@@ -90,7 +90,7 @@ class HostAgent:
         child_env = {k: v for k, v in os.environ.items() if k not in _DROP}
         child_env.update(env)
         child_env["TPULAUNCH_STATE"] = path
-        argv = command or [sys.executable, "-m", "tpulaunch.bootstrap", path]
+        argv = command or [sys.executable, "-m", "tpulaunch.host.bootstrap", path]
         self._started = time.time()
         try:
             self._proc = subprocess.Popen(
@@ -109,7 +109,7 @@ class HostAgent:
         return self._proc.pid
 
     def _tpu_free(self, kill_stale: bool) -> bool:
-        from tpulaunch import tpu_holders
+        from tpulaunch.host import tpu_holders
 
         report = tpu_holders.scan()
         if report.clean:

@@ -1,4 +1,4 @@
-"""The process that trains, on one host: `python -m tpulaunch.bootstrap STATE.pkl`.
+"""The process that trains, on one host: `python -m tpulaunch.host.bootstrap STATE.pkl`.
 
 The host agent starts it with the host's environment already applied. It unpickles the
 HostState, boots the framework (SPMD mode first, then the mesh from the plan, then the gloo
@@ -14,10 +14,10 @@ import runpy
 import sys
 import traceback
 
-from tpulaunch import runcontext as ctx_mod
-from tpulaunch import frameworks
+from tpulaunch.host import context as ctx_mod
+from tpulaunch.host import frameworks
 from tpulaunch.errors import TpulaunchError
-from tpulaunch.launch import HostState
+from tpulaunch.plan.launch import HostState
 
 EXIT_BOOT_FAILED = 86  # the host could not start the framework or build the mesh
 

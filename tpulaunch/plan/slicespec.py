@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from tpulaunch import topology as topo_mod
-from tpulaunch.topology import Topology
+from tpulaunch.plan import topology as topo_mod
+from tpulaunch.plan.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class SliceSpec:
     name: str
     accelerator_type: str  # e.g. v4-32, v6e-16, tpu7x-16
     topology: str  # e.g. 2x2x4, 4x4
-    source: str  # "flags" | "tpu-api" | "metadata" | "ray"
+    source: str  # "flags" | "tpu-api" | "metadata" | "ray" | "emulated-cluster"
     zone: str | None = None
     project: str | None = None
     state: str | None = None  # Cloud TPU Node.State name, e.g. READY
@@ -68,6 +68,14 @@ class SliceSpec:
         d = asdict(self)
         d["schema"] = "tpulaunch.slice/v1"
         return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "SliceSpec":
+        """The inverse of `to_dict` (a cluster record keeps its slices as JSON)."""
+        fields = {k: v for k, v in d.items() if k in SliceSpec.__dataclass_fields__}
+        fields["workers"] = tuple(WorkerEndpoint(**w) for w in d.get("workers", ()))
+        fields["symptoms"] = tuple(d.get("symptoms", ()))
+        return SliceSpec(**fields)
 
     @staticmethod
     def emulated_from(topology: Topology, name: str, slice_index: int = 0) -> "SliceSpec":

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from tpulaunch.errors import MeshMismatchError
 
 if TYPE_CHECKING:
-    from tpulaunch.launch import HostState
-    from tpulaunch.mesh import MeshPlan
-    from tpulaunch.topology import Topology
+    from tpulaunch.plan.launch import HostState
+    from tpulaunch.plan.mesh import MeshPlan
+    from tpulaunch.plan.topology import Topology
 
 
 class TorchXLA:

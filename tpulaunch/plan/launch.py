@@ -1,7 +1,7 @@
 """`LaunchPlan`: everything each host needs, as pure data, built without touching anything.
 
 `build_plan()` is a pure function of its arguments: `--dry-run` prints its result, tests
-compare it field by field, and `runner.execute()` takes nothing else.
+compare it field by field, and `tpulaunch.run.execute` takes nothing else.
 
 Process index is the TPU worker id in physical order (plus `slice_index * hosts_per_slice` on
 multislice), never the order Ray happened to schedule in.
@@ -14,11 +14,10 @@ import re
 import secrets
 from dataclasses import asdict, dataclass, field
 
-from tpulaunch import frameworks
 from tpulaunch.errors import LaunchError
-from tpulaunch.mesh import MeshPlan
-from tpulaunch.slicespec import SliceSpec
-from tpulaunch.topology import Topology
+from tpulaunch.plan.mesh import MeshPlan
+from tpulaunch.plan.slicespec import SliceSpec
+from tpulaunch.plan.topology import Topology
 
 MEGASCALE_PORT = 8081  # libtpu's DCN coordinator port (Ray and MaxText use the same)
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -155,6 +154,7 @@ def build_plan(
     jax_coordinator_port: int | None = None,
     megascale_port: int = MEGASCALE_PORT,
     emulated: bool,
+    emulation_env: dict[str, str] | None = None,
     metadata_server: bool = False,
     distributed: bool = True,
     log_dir: str,
@@ -165,7 +165,9 @@ def build_plan(
 
     `metadata_server` says whether the hosts can ask a GCE metadata server (real TPU VMs);
     without one (emulation, containers) the slice facts are pushed as `TPU_*` variables with
-    `TPU_SKIP_MDS_QUERY=1`, the fallback torch_xla and libtpu honour.
+    `TPU_SKIP_MDS_QUERY=1`, the fallback torch_xla and libtpu honour. `emulation_env` is what
+    the framework adapter needs to emulate a host on CPU (`Framework.emulation_env`), applied
+    when `emulated`.
     """
     topo = mesh.topology
     if len(slices) != mesh.num_slices:
@@ -176,7 +178,6 @@ def build_plan(
                 f"slice {s.name} lists {len(s.workers)} workers but {topo.accelerator_type} has {topo.num_hosts} hosts",
                 "the slice does not match its topology; describe it with `tpulaunch slice describe`",
             )
-    fw = frameworks.get(framework)
     first = slices[0].workers[0].ip
     coordinator = f"{first}:{coordinator_port}"
     n_proc = topo.num_hosts * len(slices)
@@ -230,7 +231,7 @@ def build_plan(
                     }
                 )
             if emulated:
-                env.update(fw.emulation_env(topo, len(slices)))
+                env.update(emulation_env or {})
             env.update(user_env or {})
             hosts.append(HostLaunch(proc, s_idx, w.worker_id, s.name, w.ip, env))
     hosts.sort(key=lambda h: h.process_index)

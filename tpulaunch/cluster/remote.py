@@ -1,6 +1,6 @@
 """Ray on a real TPU slice: bring-up over `gcloud ... tpu-vm ssh`, and `cluster join` on a TPU VM.
 
-`ray_cluster` starts emulated clusters on this machine; this module builds the commands that start,
+`emulated.py` starts emulated clusters on this machine; this module builds the commands that start,
 query and stop Ray *on the slice's own VMs* and runs them through `tpulaunch.gcloud` (the only
 module that runs gcloud). Nothing here opens a socket to the slice from the laptop: Ray's ports
 on TPU VMs are internal, so the head is asked through ssh to worker 0.
@@ -34,8 +34,8 @@ from typing import Callable
 
 from tpulaunch import gcloud
 from tpulaunch.errors import ClusterError
-from tpulaunch.ray_cluster import ClusterInfo, state_dir
-from tpulaunch.slicespec import SliceSpec
+from tpulaunch.cluster.record import ClusterInfo, state_dir
+from tpulaunch.plan.slicespec import SliceSpec
 
 DEFAULT_PORT = 6379
 DEFAULT_PYTHON = "python3"
@@ -237,13 +237,7 @@ class RemoteSlice:
     @classmethod
     def from_record(cls, info: ClusterInfo) -> "RemoteSlice":
         r = info.remote or {}
-        d = dict(info.slices[0])
-        d.pop("schema", None)
-        from tpulaunch.slicespec import WorkerEndpoint
-
-        d["workers"] = tuple(WorkerEndpoint(**w) for w in d.get("workers", ()))
-        d["symptoms"] = tuple(d.get("symptoms", ()))
-        return cls(SliceSpec(**d), port=r["port"], temp_dir=r["temp_dir"], python=r["python"])
+        return cls(SliceSpec.from_dict(info.slices[0]), port=r["port"], temp_dir=r["temp_dir"], python=r["python"])
 
     @property
     def head_ip(self) -> str:

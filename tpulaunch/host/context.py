@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpulaunch.errors import LaunchError
-from tpulaunch.mesh import MeshPlan
+from tpulaunch.plan.mesh import MeshPlan
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ _STATE: dict[str, Any] = {"ctx": None, "mesh": None}
 _OUTSIDE = (
     "not running under tpulaunch",
     "launch the script with `tpulaunch run SCRIPT --topology ...` (or use"
-    " tpulaunch.mesh.plan_mesh() yourself)",
+    " tpulaunch.plan.mesh.plan_mesh() yourself)",
 )
 
 

@@ -1,7 +1,8 @@
-"""The catalog of TPU generations and the `Topology` of one slice.
+"""The `Topology` of one slice: its shape, hosts and chips, resolved from what a user typed.
 
 Pure data and arithmetic: no network, no runtime. Everything downstream (mesh planning,
-per-host environment, Ray resources) is derived from a `Topology`.
+per-host environment, Ray resources) is derived from a `Topology`; the generations it is built
+from are in `catalog.py`.
 
 Conventions (documented because every other module relies on them):
 
@@ -12,116 +13,30 @@ Conventions (documented because every other module relies on them):
   then y, then z, the order libtpu uses for `TPU_HOST_BOUNDS`.
 * Inside a host, chips are listed x fastest, then y, then z, and each chip contributes
   `devices_per_chip` runtime devices (cores) innermost.
-
-Valid shapes follow Ray's `VALID_TPU_TOPOLOGY` table (`ray/_private/accelerators/tpu.py`), so that a
-slice we accept is a slice Ray can schedule; we add the single-host `2x2` of v2/v3 (v2-8, v3-8),
-which Ray leaves out of its multi-host table but which are the most common v2/v3 slices.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterator
 
 from tpulaunch.errors import TopologyError
-
-Coord = tuple[int, int, int]
-
-
-@dataclass(frozen=True)
-class Generation:
-    """Facts about one TPU generation."""
-
-    name: str  # canonical short name: v2, v3, v4, v5e, v5p, v6e, v7x
-    type_prefix: str  # accelerator-type prefix as the Cloud TPU API writes it
-    aliases: tuple[str, ...]
-    tensorcores_per_chip: int
-    devices_per_chip: int  # devices the runtime reports per chip (cores on v2/v3/v7x; 1 for megacore)
-    suffix_counts: str  # what N in "<prefix>-N" counts: "cores" or "chips"
-    torus_dims: int  # 2 or 3
-    chips_per_host: int  # chips per TPU VM on a multi-host slice
-    single_host_shapes: tuple[str, ...]  # shapes that fit one VM with all their chips
-    valid_shapes: tuple[str, ...]
-    ray_accelerator: str  # Ray's `accelerator_type:` value, e.g. TPU-V4
-
-    @property
-    def cores_per_suffix_unit(self) -> int:
-        return self.tensorcores_per_chip if self.suffix_counts == "cores" else 1
-
-    def accelerator_type(self, chips: int) -> str:
-        return f"{self.type_prefix}-{chips * self.cores_per_suffix_unit}"
-
-
-def _shape_str(dims: tuple[int, ...]) -> str:
-    return "x".join(str(d) for d in dims)
-
-
-def _cube_shapes(xy: range, z: range) -> tuple[str, ...]:
-    small = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
-    big = tuple(_shape_str((x, y, zz)) for x in xy for y in xy for zz in z)
-    return small + big
-
-
-_V2_SHAPES = ("2x2", "4x4", "4x8", "8x8", "8x16", "16x16")
-_LITE_SHAPES = ("1x1", "2x2", "2x4", "2x8", "4x4", "4x8", "8x8", "8x16", "16x16")
-_V7X_SHAPES = (
-    "2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16",
+from tpulaunch.plan.catalog import (
+    _ALIASES,
+    DEFAULT_2D_GENERATION,
+    GENERATIONS,
+    SHAPE_RE,
+    TYPE_RE,
+    Coord,
+    Generation,
+    _shape_str,
+    generation,
 )
 
-GENERATIONS: dict[str, Generation] = {
-    g.name: g
-    for g in (
-        Generation("v2", "v2", (), 2, 2, "cores", 2, 4, ("2x2",), _V2_SHAPES, "TPU-V2"),
-        Generation(
-            "v3", "v3", (), 2, 2, "cores", 2, 4, ("2x2",), _V2_SHAPES + ("16x32", "32x32"), "TPU-V3"
-        ),
-        Generation(
-            "v4", "v4", (), 2, 1, "cores", 3, 4, ("2x2x1",),
-            _cube_shapes(range(4, 13, 4), range(4, 17, 4)), "TPU-V4",
-        ),
-        Generation(
-            "v5e", "v5litepod", ("v5litepod", "v5lite", "v5e"), 1, 1, "chips", 2, 4,
-            ("1x1", "2x2", "2x4"), _LITE_SHAPES, "TPU-V5LITEPOD",
-        ),
-        Generation(
-            "v5p", "v5p", (), 2, 1, "cores", 3, 4, ("2x2x1",),
-            _cube_shapes(range(4, 17, 4), range(4, 25, 4)), "TPU-V5P",
-        ),
-        Generation(
-            "v6e", "v6e", ("trillium",), 1, 1, "chips", 2, 4, ("1x1", "2x2", "2x4"), _LITE_SHAPES,
-            "TPU-V6E",
-        ),
-        Generation(
-            "v7x", "tpu7x", ("tpu7x", "v7", "ironwood"), 2, 2, "cores", 3, 4, ("2x2x1",), _V7X_SHAPES,
-            "TPU-V7X",
-        ),
-    )
-}
-
-_ALIASES: dict[str, str] = {}
-for _g in GENERATIONS.values():
-    for _name in (_g.name, _g.type_prefix, *_g.aliases):
-        _ALIASES[_name.lower()] = _g.name
-
-DEFAULT_2D_GENERATION = "v6e"
-_SHAPE_RE = re.compile(r"^\d+(x\d+){1,2}$")
-_TYPE_RE = re.compile(r"^([a-z0-9]+?)-(\d+)$")
-
-
-def generation(name: str) -> Generation:
-    """Look up a generation by any of its names (`v5e`, `v5litepod`, `tpu7x`, `TPU-V4`, ...)."""
-    key = name.strip().lower()
-    if key.startswith("tpu-"):
-        key = key[4:]
-    if key in _ALIASES:
-        return GENERATIONS[_ALIASES[key]]
-    raise TopologyError(
-        f"unknown TPU generation '{name}'",
-        f"choose one of {', '.join(GENERATIONS)}",
-    )
+__all__ = ["Coord", "Generation", "GENERATIONS", "Host", "Topology", "generation", "make_topology",
+           "parse_accelerator_type", "parse_shape", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -268,7 +183,7 @@ class Topology:
 def parse_shape(text: str) -> tuple[int, ...]:
     """`"2x2x4"` -> `(2, 2, 4)`; anything else is a TopologyError."""
     t = text.strip().lower()
-    if not _SHAPE_RE.match(t):
+    if not SHAPE_RE.match(t):
         raise TopologyError(
             f"'{text}' is not a topology",
             "write it as XxY (2D: v2, v3, v5e, v6e) or XxYxZ (3D: v4, v5p, v7x), e.g. 2x8 or 2x2x4",
@@ -340,7 +255,7 @@ def make_topology(
 def parse_accelerator_type(text: str, chips_per_host: int | None = None) -> Topology:
     """`v4-32`, `v5litepod-16`, `v6e-8`, `tpu7x-16` -> Topology (the canonical shape for that size)."""
     t = text.strip().lower()
-    m = _TYPE_RE.match(t)
+    m = TYPE_RE.match(t)
     if not m:
         raise TopologyError(
             f"'{text}' is not an accelerator type",
@@ -382,7 +297,7 @@ def resolve(
     shape_text = topology
     acc = accelerator
     if spec:
-        if _SHAPE_RE.match(spec.strip().lower()):
+        if SHAPE_RE.match(spec.strip().lower()):
             if shape_text and shape_text != spec:
                 raise TopologyError(f"two shapes given: '{spec}' and --topology '{shape_text}'", "give one")
             shape_text = spec
@@ -395,7 +310,7 @@ def resolve(
             "no slice given",
             "pass an accelerator type (v4-32) or a shape (--topology 2x8 [--accelerator v6e])",
         )
-    if acc and _TYPE_RE.match(acc.strip().lower()) and not acc.lower().startswith("tpu-"):
+    if acc and TYPE_RE.match(acc.strip().lower()) and not acc.lower().startswith("tpu-"):
         by_type = parse_accelerator_type(acc, chips_per_host)
         if shape_text:
             dims = parse_shape(shape_text)

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tpulaunch.errors import LaunchError
 
 if TYPE_CHECKING:
-    from tpulaunch.launch import HostState
-    from tpulaunch.mesh import MeshPlan
-    from tpulaunch.topology import Topology
+    from tpulaunch.plan.launch import HostState
+    from tpulaunch.plan.mesh import MeshPlan
+    from tpulaunch.plan.topology import Topology
 
 _ADAPTERS = {
-    "torch_xla": "tpulaunch.frameworks.torch_xla",
-    "jax": "tpulaunch.frameworks.jax",
+    "torch_xla": "tpulaunch.host.frameworks.torch_xla",
+    "jax": "tpulaunch.host.frameworks.jax",
 }
 
 

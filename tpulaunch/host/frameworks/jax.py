@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 from tpulaunch.errors import LaunchError, MeshMismatchError
 
 if TYPE_CHECKING:
-    from tpulaunch.launch import HostState
-    from tpulaunch.mesh import MeshPlan
-    from tpulaunch.topology import Topology
+    from tpulaunch.plan.launch import HostState
+    from tpulaunch.plan.mesh import MeshPlan
+    from tpulaunch.plan.topology import Topology
 
 
 class Jax:

@@ -1,4 +1,4 @@
-"""Execute a LaunchPlan on Ray: gang-schedule the host agents, stream, fail fast, summarize.
+"""Execute a LaunchPlan on the Ray cluster we are connected to: gang-schedule the host agents, stream, fail fast, summarize.
 
 `execute(plan, ...)` takes nothing but the plan and where Ray is. Steps:
 
@@ -23,14 +23,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from tpulaunch.agent import HostAgent, dumps_state
-from tpulaunch.errors import ClusterError, ExitCode, LaunchError
-from tpulaunch.launch import HostState, LaunchPlan
-from tpulaunch.ray_slices import SLICE as LABEL_SLICE
-from tpulaunch.ray_slices import WORKER as LABEL_WORKER
+from tpulaunch.discover.ray_labels import SLICE as LABEL_SLICE
+from tpulaunch.discover.ray_labels import WORKER as LABEL_WORKER
+from tpulaunch.errors import ClusterError, ExitCode
+from tpulaunch.host.agent import HostAgent, dumps_state
+from tpulaunch.plan.launch import HostState, LaunchPlan
 
 POLL_S = 0.1
-WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "node_modules"]
 
 
 class Sink(Protocol):
@@ -94,34 +93,12 @@ class _Signals:
             signal.signal(sig, old)  # type: ignore[arg-type]
 
 
-def workdir_runtime_env(workdir: str, max_mb: float) -> dict:
-    """Ray `runtime_env` shipping the user's directory to every host, after a size check."""
-    root = Path(workdir)
-    total = 0
-    skip = {e for e in WORKDIR_EXCLUDES if "*" not in e}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in skip]
-        for name in filenames:
-            if name.endswith(".pyc"):
-                continue
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                pass
-    if total > max_mb * 1024 * 1024:
-        raise LaunchError(
-            f"the working directory {workdir} is {total / 2**20:.1f} MiB, over the {max_mb:g} MiB limit for shipping to hosts",
-            "run from a smaller directory, move data out of it, or raise --max-upload-mb",
-        )
-    return {"working_dir": str(root), "excludes": WORKDIR_EXCLUDES}
-
-
 def _diagnose(plan: LaunchPlan) -> str:
     """Say what Ray lacks when the slice cannot be scheduled."""
-    from tpulaunch import ray_slices
+    from tpulaunch.discover import ray_labels
 
     want = {(s.name, w.worker_id) for s in plan.slices for w in s.workers}
-    have = {(s.name, w) for s in ray_slices.discover() for w, _ip, alive, _busy in s.workers if alive}
+    have = {(s.name, w) for s in ray_labels.read_slices() for w, _ip, alive, _busy in s.workers if alive}
     missing = sorted(want - have)
     if missing:
         shown = ", ".join(f"{s} worker {w}" for s, w in missing[:8])

@@ -38,7 +38,7 @@ from functools import cached_property
 from typing import Iterator, Sequence
 
 from tpulaunch.errors import MeshError
-from tpulaunch.topology import Coord, Topology
+from tpulaunch.plan.topology import Coord, Topology
 
 _AXIS_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -3,17 +3,17 @@
 Ray labels every TPU host with `ray.io/tpu-slice-name`, `ray.io/tpu-worker-id`,
 `ray.io/tpu-pod-type` and `ray.io/tpu-topology` (GKE env or GCE metadata; tpulaunch's emulated
 hosts get the same). `slices_from_nodes` is pure over `ray.nodes()`-shaped dicts so the choice
-logic is tested without a cluster; `discover()` is the thin Ray call.
+logic is tested without a cluster; `read_slices()` is the thin Ray call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpulaunch import topology as topo_mod
+from tpulaunch.plan import topology as topo_mod
 from tpulaunch.errors import ClusterError, TopologyError
-from tpulaunch.slicespec import SliceSpec, WorkerEndpoint
-from tpulaunch.topology import Topology
+from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
+from tpulaunch.plan.topology import Topology
 
 SLICE, WORKER, POD_TYPE, TOPO = (
     "ray.io/tpu-slice-name", "ray.io/tpu-worker-id", "ray.io/tpu-pod-type", "ray.io/tpu-topology",
@@ -99,7 +99,7 @@ def choose(
     return fits[:num_slices]
 
 
-def discover() -> list[RaySlice]:
+def read_slices() -> list[RaySlice]:
     """Slices of the Ray cluster this process is connected to."""
     import ray
 

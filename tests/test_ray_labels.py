@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tpulaunch import topology
+from tpulaunch.plan import topology
 from tpulaunch.errors import ClusterError
-from tpulaunch.ray_slices import choose, slices_from_nodes
+from tpulaunch.discover.ray_labels import choose, slices_from_nodes
 
 
 def node(slice_name: str, worker: int, pod: str, topo: str, *, alive: bool = True, tpu: float = 4.0) -> dict:

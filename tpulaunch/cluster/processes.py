@@ -1,0 +1,77 @@
+"""The local processes of one Ray cluster, found by its temp dir, and how to end them.
+
+Each cluster tpulaunch starts on this machine gets its own Ray temp dir; a process belongs to the
+cluster when its argv, its environment or one of its open files names that dir. Stopping by
+that rule ends exactly one cluster's processes (never another Ray the user runs).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+
+def cluster_pids(temp_dir: str) -> list[int]:
+    """Processes of the Ray cluster living in `temp_dir`.
+
+    Most name it in argv; some (Ray's client server) only inherit it in their environment
+    (`RAY_AUTH_TOKEN_PATH` points into it), so both are searched.
+    """
+    me = os.getpid()
+    needle = temp_dir.encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        if _mentions(entry, needle, temp_dir):
+            out.append(int(entry))
+    return out
+
+
+def _mentions(pid: str, needle: bytes, temp_dir: str) -> bool:
+    """argv, environment, or an open file inside temp_dir (Ray's agents rename their argv)."""
+    for part in ("cmdline", "environ"):
+        try:
+            with open(f"/proc/{pid}/{part}", "rb") as f:
+                if needle in f.read():
+                    return True
+        except OSError:
+            return False
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(temp_dir):
+                return True
+    except OSError:
+        pass
+    return False
+
+
+def stop_processes(temp_dir: str, grace_s: float = 5.0) -> int:
+    """Stop every process of the cluster living in `temp_dir`, then remove it; returns how many ran."""
+    pids = cluster_pids(temp_dir)
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    for pid in cluster_pids(temp_dir):
+        _signal(pid, signal.SIGKILL)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    return len(pids)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] not in ("Z", "X")
+    except OSError:
+        return False

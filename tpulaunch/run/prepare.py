@@ -1,0 +1,158 @@
+"""Prepare a launch: from the request (flags) to the `LaunchPlan`, starting nothing.
+
+Shared by `tpulaunch run` and `tpulaunch exec`. The CLI builds a `LaunchRequest` from flags,
+calls `prepare()` for the plan (that is all `--dry-run` needs), then `tpulaunch.run.launch()`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tpulaunch import discover
+from tpulaunch.cluster.connect import connect, disconnect, free_port, resolve_address
+from tpulaunch.cluster.record import ClusterInfo
+from tpulaunch.errors import LaunchError
+from tpulaunch.host import frameworks
+from tpulaunch.plan.launch import LaunchPlan, build_plan, new_run_id, parse_env
+from tpulaunch.plan.mesh import plan_mesh
+from tpulaunch.plan.slicespec import SliceSpec
+
+
+WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "node_modules"]
+
+
+@dataclass
+class LaunchRequest:
+    script: str = ""
+    args: list[str] = field(default_factory=list)
+    command: list[str] = field(default_factory=list)  # exec: a command instead of a script
+    topology: str | None = None
+    accelerator: str | None = None
+    chips_per_host: int | None = None
+    tpu: str | None = None
+    queued_resource: str | None = None
+    zone: str | None = None
+    project: str | None = None
+    force: bool = False
+    num_slices: int | None = None
+    mesh: str | None = None
+    dcn: str | None = None
+    framework: str = "auto"
+    env: list[str] = field(default_factory=list)
+    address: str | None = None
+    distributed: bool = True
+    log_dir: str = "runs"
+    workdir: str = "."
+    coordinator_port: int | None = None
+    schedule_timeout: float = 120.0
+    max_upload_mb: float = 100.0
+    ship_workdir: bool = True
+    kill_stale: bool = False
+    run_id: str | None = None
+
+    def slice_request(self) -> discover.SliceRequest:
+        return discover.SliceRequest(
+            topology=self.topology, accelerator=self.accelerator, chips_per_host=self.chips_per_host, tpu=self.tpu,
+            queued_resource=self.queued_resource, zone=self.zone, project=self.project,
+            num_slices=self.num_slices, dcn=self.dcn, force=self.force,
+        )
+
+
+@dataclass
+class Prepared:
+    plan: LaunchPlan
+    resolved: discover.ResolvedSlices
+    cluster: ClusterInfo | None  # an existing cluster to join (None: start one)
+    framework_reason: str
+    request: LaunchRequest
+    runtime_env: dict | None  # the working directory Ray ships to every host (checked for size)
+    notes: tuple[str, ...] = ()
+
+
+def _framework(req: LaunchRequest, workdir: Path) -> tuple[str, str]:
+    if req.command:
+        return "torch_xla", "exec runs a command, no framework boot"
+    if req.framework != "auto":
+        frameworks.get(req.framework)
+        return req.framework, "--framework"
+    return frameworks.detect((workdir / req.script).read_text(errors="replace"))
+
+
+def prepare(req: LaunchRequest) -> Prepared:
+    """Everything up to the LaunchPlan. No host processes; discovery and a Ray query only if asked."""
+    workdir = Path(req.workdir).resolve()
+    if not workdir.is_dir():
+        raise LaunchError(f"working directory {req.workdir} does not exist", "pass an existing --workdir")
+    script = req.script
+    if not req.command:
+        path = Path(script)
+        full = path if path.is_absolute() else (Path.cwd() / path)
+        if not full.is_file():
+            raise LaunchError(f"script {script} not found", "give the path of a Python file to run on every host")
+        try:
+            script = str(full.resolve().relative_to(workdir))
+        except ValueError:
+            raise LaunchError(f"script {script} is outside the working directory {workdir}",
+                              "run from the directory that holds it, or pass --workdir") from None
+    cluster = resolve_address(req.address)
+    resolved = discover.resolve(req.slice_request(), cluster_slices(cluster, req))
+    emulated = resolved.emulated or (cluster is not None and cluster.emulated)
+    # Checked here so an oversized directory is refused before anything starts.
+    runtime_env = workdir_runtime_env(str(workdir), req.max_upload_mb) if req.ship_workdir else None
+    fw, reason = _framework(req, workdir)
+    if not req.command:
+        frameworks.require_installed(fw)
+    mesh = plan_mesh(resolved.topology, req.mesh, req.dcn, resolved.num_slices)
+    run_id = req.run_id or new_run_id()
+    port = req.coordinator_port or (free_port() if emulated else 8476)
+    jax_port = (free_port() if emulated else 8477) if fw == "jax" else None
+    plan = build_plan(
+        slices=list(resolved.slices), mesh=mesh, script=script, args=req.args, framework=fw,
+        user_env=parse_env(req.env), run_id=run_id, coordinator_port=port, jax_coordinator_port=jax_port,
+        emulated=emulated, emulation_env=frameworks.get(fw).emulation_env(resolved.topology, resolved.num_slices),
+        metadata_server=(resolved.source in ("metadata", "ray")), distributed=req.distributed and not req.command,
+        log_dir=str((Path(req.log_dir) / run_id).resolve()), workdir=str(workdir), command=tuple(req.command),
+    )
+    return Prepared(plan, resolved, cluster, reason, req, runtime_env, resolved.notes)
+
+
+def cluster_slices(cluster: ClusterInfo | None, req: LaunchRequest) -> discover.ClusterSlices | None:
+    """What `discover.resolve` needs to know of the cluster: its recorded slices, or Ray's labels."""
+    if cluster is None:
+        return None
+    if cluster.emulated:
+        return discover.ClusterSlices(True, tuple(SliceSpec.from_dict(d) for d in cluster.slices))
+    if req.queued_resource:
+        return discover.ClusterSlices(False)
+    from tpulaunch.discover import ray_labels
+
+    connect(cluster)
+    try:
+        found = ray_labels.read_slices()
+    finally:
+        disconnect()
+    return discover.ClusterSlices(False, ray_slices=tuple(found))
+
+
+def workdir_runtime_env(workdir: str, max_mb: float) -> dict:
+    """Ray `runtime_env` shipping the user's directory to every host, after a size check."""
+    root = Path(workdir)
+    total = 0
+    skip = {e for e in WORKDIR_EXCLUDES if "*" not in e}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip]
+        for name in filenames:
+            if name.endswith(".pyc"):
+                continue
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    if total > max_mb * 1024 * 1024:
+        raise LaunchError(
+            f"the working directory {workdir} is {total / 2**20:.1f} MiB, over the {max_mb:g} MiB limit for shipping to hosts",
+            "run from a smaller directory, move data out of it, or raise --max-upload-mb",
+        )
+    return {"working_dir": str(root), "excludes": WORKDIR_EXCLUDES}
