@@ -28,6 +28,7 @@ import time
 _DROP = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "RAY_ADDRESS")
 _PR_SET_PDEATHSIG = 1
 EXIT_TPU_BUSY = 87  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
+PY_STDIO_ENV = "TPULAUNCH_PY_STDIO_FDS"  # "OUT,ERR": the fds the bootstrap gives sys.stdout / sys.stderr
 
 
 def _die_with_parent() -> None:
@@ -91,18 +92,30 @@ class HostAgent:
         child_env.update(env)
         child_env["TPULAUNCH_STATE"] = path
         argv = command or [sys.executable, "-m", "tpulaunch.host.bootstrap", path]
+        # The bootstrap writes Python's sys.stdout/sys.stderr to pipes of their own: native code
+        # (gloo, XLA) writing to fds 1/2 at the same time could otherwise split a printed line.
+        py_pipes = [] if command else [os.pipe(), os.pipe()]
+        if py_pipes:
+            child_env[PY_STDIO_ENV] = f"{py_pipes[0][1]},{py_pipes[1][1]}"
         self._started = time.time()
         try:
             self._proc = subprocess.Popen(
                 argv, env=child_env, cwd=os.getcwd(), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                preexec_fn=_die_with_parent, bufsize=0,
+                preexec_fn=_die_with_parent, bufsize=0, pass_fds=[w for _r, w in py_pipes],
             )
         except OSError as e:
+            for r, w in py_pipes:
+                os.close(r)
+                os.close(w)
             self._push("stderr", f"tpulaunch: cannot start {argv[0]}: {e}")
             self._ended = time.time()
             return -1
-        for name, stream in (("stdout", self._proc.stdout), ("stderr", self._proc.stderr)):
+        streams = [("stdout", self._proc.stdout), ("stderr", self._proc.stderr)]
+        for name, (r, w) in zip(("stdout", "stderr"), py_pipes):
+            os.close(w)
+            streams.append((name, os.fdopen(r, "rb", buffering=0)))
+        for name, stream in streams:
             t = threading.Thread(target=self._pump, args=(name, stream), daemon=True)
             t.start()
             self._readers.append(t)

@@ -17,6 +17,7 @@ import traceback
 from tpulaunch.host import context as ctx_mod
 from tpulaunch.host import frameworks
 from tpulaunch.errors import TpulaunchError
+from tpulaunch.host.agent import PY_STDIO_ENV
 from tpulaunch.plan.launch import HostState
 
 EXIT_BOOT_FAILED = 86  # the host could not start the framework or build the mesh
@@ -50,11 +51,26 @@ def _exit_code(code: object) -> int:
     return 1
 
 
+def _own_stdio() -> None:
+    """Python's prints get pipes of their own, in whole lines; fds 1 and 2 stay for native code.
+
+    Native libraries (gloo, XLA, absl) write to fds 1/2 in pieces; sharing a pipe with them, a
+    printed line could be split by one of their messages. The agent passes two extra pipes
+    (`TPULAUNCH_PY_STDIO_FDS`) and reads all four; without them, stdio is only line-buffered.
+    """
+    fds = os.environ.pop(PY_STDIO_ENV, "")
+    if fds:
+        out_fd, err_fd = (int(f) for f in fds.split(","))
+        sys.stdout = open(out_fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=True)
+        sys.stderr = open(err_fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=True)
+        sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # type: ignore[misc]
+    else:
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def main(argv: list[str]) -> int:
-    # Whole lines per write: unbuffered stdio writes a print's text and its newline separately,
-    # and native libraries (gloo, XLA) writing to the same pipe could land in between.
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=False)
+    _own_stdio()
     with open(argv[0], "rb") as f:
         state: HostState = pickle.load(f)
     fw = frameworks.get(state.framework)
