@@ -69,16 +69,17 @@ class HostAgent:
             "node_ip": ray.util.get_node_ip_address(),
             "hostname": socket.gethostname(),
             "labels": {k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(labels).items()},
-            "cwd": os.getcwd(),
             "pid": os.getpid(),
         }
 
     def start(self, state: bytes, env: dict[str, str], command: list[str] | None = None,
-              check_tpu: bool = False, kill_stale: bool = False) -> int:
+              check_tpu: bool = False, kill_stale: bool = False, cwd: str | None = None) -> int:
         """Start the host process. `state` is the pickled HostState; returns the child's pid.
 
         With `check_tpu` (real TPU hosts), first make sure no leftover process holds the chips
-        (the failure users hit most after an interrupted run); `kill_stale` clears them.
+        (the failure users hit most after an interrupted run); `kill_stale` clears them. `cwd` is
+        where the script runs: the driver's working directory on emulated hosts (same filesystem),
+        else the copy Ray shipped (this actor's own working directory).
         """
         if check_tpu and not self._tpu_free(kill_stale):
             self._ended = self._started = time.time()
@@ -100,7 +101,7 @@ class HostAgent:
         self._started = time.time()
         try:
             self._proc = subprocess.Popen(
-                argv, env=child_env, cwd=os.getcwd(), stdin=subprocess.DEVNULL,
+                argv, env=child_env, cwd=cwd or os.getcwd(), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                 preexec_fn=_die_with_parent, bufsize=0, pass_fds=[w for _r, w in py_pipes],
             )

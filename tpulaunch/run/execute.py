@@ -170,8 +170,9 @@ def execute(
                         "the cluster's TPU labels are inconsistent; restart it",
                     )
             timings["agents_s"] = time.time() - t0
+            cwd = plan.workdir if plan.emulated else None  # emulated hosts run in place
             ray.get([a.start.remote(dumps_state(HostState.for_host(plan, h)), h.env, list(plan.command) or None,
-                                    not plan.emulated, kill_stale)
+                                    not plan.emulated, kill_stale, cwd)
                      for a, h in zip(agents, plan.hosts)])
             sink.progress(f"running on {len(agents)} host(s)")
             first_failure, interrupted = _supervise(plan, agents, results, logs, sink, sigs, grace_s)
