@@ -8,10 +8,17 @@ import pickle
 import pytest
 import ray._private.accelerators.tpu as ray_tpu
 
-from tpulaunch.plan import topology as T
 from tpulaunch.errors import TopologyError
+from tpulaunch.plan import topology as T
 
 ALL_GENS = list(T.GENERATIONS)
+
+
+def shapes_to_check(g, max_chips: int = 4096) -> list[str]:
+    """A generation's listed shapes, the canonical shape of every size, and Ray's table for it."""
+    ray = next((set(v) for k, v in ray_tpu.VALID_TPU_TOPOLOGY.items() if T.generation(k) is g), set())
+    shapes = set(g.listed_shapes) | set(g.canonical_shapes()) | ray
+    return sorted(s for s in shapes if math.prod(T.parse_shape(s)) <= max_chips)
 
 # -- the catalog ----------------------------------------------------------------------------------
 
@@ -38,10 +45,11 @@ def test_generation_facts(name):
     prefix, tcs, dpc, suffix, dims, cph = CATALOG[name]
     assert (g.type_prefix, g.tensorcores_per_chip, g.devices_per_chip, g.suffix_counts, g.torus_dims,
             g.chips_per_host) == (prefix, tcs, dpc, suffix, dims, cph)
-    # every valid shape has the generation's number of dimensions
-    assert all(len(T.parse_shape(s)) == dims for s in g.valid_shapes)
-    assert len(set(g.valid_shapes)) == len(g.valid_shapes)
-    assert set(g.single_host_shapes) <= set(g.valid_shapes)
+    # every listed and canonical shape has the generation's number of dimensions and is valid
+    for s in shapes_to_check(g, max_chips=10**6):
+        assert len(T.parse_shape(s)) == dims and g.is_valid(T.parse_shape(s)), s
+    assert len(set(g.listed_shapes)) == len(g.listed_shapes)
+    assert set(g.single_host_shapes) <= set(g.listed_shapes)
 
 
 @pytest.mark.parametrize(
@@ -76,14 +84,67 @@ def test_ray_table_covers_every_generation():
 
 
 @pytest.mark.parametrize("ray_type", RAY_TYPES)
-def test_valid_shapes_match_ray(ray_type):
+def test_every_shape_ray_schedules_is_valid_here(ray_type):
+    """What Ray's VALID_TPU_TOPOLOGY accepts we accept; what we list beyond it is documented."""
     g = T.generation(ray_type)
-    ours = set(g.valid_shapes)
     ray = set(ray_tpu.VALID_TPU_TOPOLOGY[ray_type])
-    extra = OUR_ADDITIONS.get(g.name, set())
-    assert ours - extra == ray, (sorted(ours - extra - ray), sorted(ray - ours))
-    for s in ray:  # and the parser agrees with the table
-        assert T.make_topology(g, T.parse_shape(s)).topology == s
+    for s in ray:
+        assert g.is_valid(T.parse_shape(s)), s
+        assert T.make_topology(g, T.parse_shape(s)).topology == s  # and the parser agrees with the table
+    assert set(g.listed_shapes) - OUR_ADDITIONS.get(g.name, set()) <= ray
+
+
+# Google's published slice shapes, as xpk's system_characteristics lists them (one per size).
+XPK_V4 = ["2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x12", "8x8x16", "8x16x16"]
+XPK_V5P_LARGEST = ["12x24x24", "16x16x24", "16x20x28", "12x20x24", "4x4x244", "4x8x188", "8x16x44", "12x12x36"]
+XPK_TPU7X = ["4x4x4", "8x8x8", "12x12x12", "16x16x16", "16x20x28", "16x24x24", "4x4x244", "12x24x24", "8x12x52"]
+
+
+@pytest.mark.parametrize("gen, shapes", [("v4", XPK_V4), ("v5p", XPK_V5P_LARGEST), ("v7x", XPK_TPU7X)])
+def test_canonical_shapes_are_the_published_ones(gen, shapes):
+    g = T.GENERATIONS[gen]
+    for s in shapes:
+        assert g.canonical_shape(math.prod(T.parse_shape(s))) == s
+
+
+@pytest.mark.parametrize(
+    "acc, topology, chips, hosts, devices",
+    [
+        ("v4-4096", "8x16x16", 2048, 512, 2048),
+        ("v4-8192", "16x16x16", 4096, 1024, 4096),
+        ("v5p-17920", "16x20x28", 8960, 2240, 8960),
+        ("tpu7x-18432", "16x24x24", 9216, 2304, 18432),
+        ("v5litepod-256", "16x16", 256, 64, 256),
+        ("v6e-256", "16x16", 256, 64, 256),
+    ],
+)
+def test_whole_pods_resolve(acc, topology, chips, hosts, devices):
+    t = T.resolve(acc)
+    assert (t.topology, t.chips, t.num_hosts, t.devices) == (topology, chips, hosts, devices)
+
+
+@pytest.mark.parametrize(
+    "gen, shape, ok",
+    [
+        ("v4", "16x16x16", True), ("v4", "16x16x20", False),  # 64 cubes is the v4 pod, 80 is not
+        ("v4", "4x16x64", True), ("v4", "4x4x6", False), ("v4", "2x2x8", False), ("v4", "4x8x4", True),
+        ("v5p", "16x20x28", True), ("v5p", "16x20x32", False), ("v5p", "4x4x244", True),
+        ("v7x", "16x24x24", True), ("v7x", "16x24x28", False), ("v7x", "2x4x4", True), ("v7x", "4x2x4", False),
+        ("v6e", "16x16", True), ("v6e", "16x32", False), ("v3", "32x32", True), ("v2", "16x32", False),
+    ],
+)
+def test_the_shape_rule(gen, shape, ok):
+    g = T.GENERATIONS[gen]
+    assert g.is_valid(T.parse_shape(shape)) is ok
+    if not ok:
+        with pytest.raises(TopologyError, match=f"{shape} is not a valid {gen} slice"):
+            T.make_topology(g, T.parse_shape(shape))
+
+
+def test_sizes_beyond_the_pod_are_refused_with_the_largest_named():
+    with pytest.raises(TopologyError) as ei:
+        T.resolve("v5p-17922")
+    assert "v5p-17920" in ei.value.line()
 
 
 @pytest.mark.parametrize("ray_type", RAY_TYPES)
@@ -180,7 +241,7 @@ def test_v2_v3_host_bounds_match_torch_xla(acc):
 @pytest.mark.parametrize("name", ALL_GENS)
 def test_every_valid_shape_round_trips_through_its_accelerator_type(name):
     g = T.GENERATIONS[name]
-    for s in g.valid_shapes:
+    for s in shapes_to_check(g, max_chips=10**6):
         t = T.make_topology(g, T.parse_shape(s))
         back = T.parse_accelerator_type(t.accelerator_type)
         assert back.generation is g
@@ -188,7 +249,7 @@ def test_every_valid_shape_round_trips_through_its_accelerator_type(name):
         n = int(t.accelerator_type.rsplit("-", 1)[1])
         assert n == t.chips * (g.tensorcores_per_chip if g.suffix_counts == "cores" else 1)
         # the canonical shape for a size is the most cubic one, longest dimension last
-        same = [T.parse_shape(c) for c in g.valid_shapes if math.prod(T.parse_shape(c)) == t.chips]
+        same = [T.parse_shape(c) for c in shapes_to_check(g, max_chips=10**6) if math.prod(T.parse_shape(c)) == t.chips]
         spread = min(max(d) - min(d) for d in same)
         got = T.parse_shape(back.topology)
         assert max(got) - min(got) == spread
@@ -242,7 +303,7 @@ def test_wrong_number_of_dimensions_is_an_error(name):
         (dict(spec="v4-33"), ["v4-32", "cores"]),
         (dict(spec="v6e-12"), ["v6e-8", "v6e-16", "chips"]),
         (dict(spec="v9-8"), ["v4", "v6e", "v7x"]),
-        (dict(topology="2x4x8", accelerator="v4"), ["2x2x4", "4x8x4"]),
+        (dict(topology="2x4x8", accelerator="v4"), ["2x2x4", "the 64-chip v4 slice is 4x4x4", "multiple of 4"]),
         (dict(topology="8x8", accelerator="v2", chips_per_host=8), ["4"]),
         (dict(spec="garbage"), ["v4-32", "2x8"]),
         (dict(spec="0x8"), ["at least 1"]),
@@ -316,7 +377,7 @@ def test_chips_per_host_4_is_the_default_on_multi_host(spec):
 @pytest.mark.parametrize("name", ALL_GENS)
 def test_hosts_partition_the_chips_into_blocks(name):
     g = T.GENERATIONS[name]
-    for s in g.valid_shapes:
+    for s in shapes_to_check(g, max_chips=2304):
         t = T.make_topology(g, T.parse_shape(s))
         assert t.num_hosts * t.chips_per_host == t.chips
         seen = set()

@@ -9,7 +9,7 @@ import typer
 from tpulaunch.plan import mesh as mesh_mod
 from tpulaunch import discover
 from tpulaunch.cli import app, render
-from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
+from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT, split_spec
 from tpulaunch.cli.output import Output
 from tpulaunch.cli.slices import SLICE_OPTIONS, resolve_slices
 from tpulaunch.errors import MeshError
@@ -30,6 +30,7 @@ NUM_SLICES_OPT = typer.Option(None, "--num-slices", help="Number of identical sl
 
 @mesh_app.command("inspect")
 def inspect(
+    slice_spec: Optional[str] = typer.Argument(None, metavar="[ACCELERATOR_OR_SHAPE]", help="v4-32, tpu7x-18432, or 2x8."),
     topology: Optional[str] = TOPOLOGY_OPT,
     accelerator: Optional[str] = ACCEL_OPT,
     chips_per_host: Optional[int] = CHIPS_PER_HOST_OPT,
@@ -48,9 +49,10 @@ def inspect(
     """Draw the mesh as a grid of device ids colored by host, then the hosts.
 
     Works with no TPU and no network (unless --tpu asks the Cloud TPU API).
-    Example: `tpulaunch mesh inspect --topology 2x8 --shard 1024x4096 --spec data,model`.
+    Examples: `tpulaunch mesh inspect v4-32`, `tpulaunch mesh inspect --topology 2x8 --shard 1024x4096 --spec data,model`.
     """
     out = Output(json_mode=json_out)
+    topology, accelerator = split_spec(slice_spec, topology, accelerator)
     resolved = resolve_slices(out, discover.SliceRequest(
         topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
         tpu=tpu, zone=zone, project=project, num_slices=num_slices, dcn=dcn,

@@ -6,7 +6,9 @@ from typing import Optional
 
 import typer
 
+from tpulaunch.errors import TopologyError
 from tpulaunch.plan import topology as topo_mod
+from tpulaunch.plan.catalog import SHAPE_RE
 from tpulaunch.cli import app
 from tpulaunch.cli import render
 from tpulaunch.cli.output import Output
@@ -20,6 +22,18 @@ CHIPS_PER_HOST_OPT = typer.Option(
     None, "--chips-per-host", help="Override chips per VM (4 for a two-VM v5e/v6e 2x4, as on GKE)."
 )
 JSON_OPT = typer.Option(False, "--json", help="Print one JSON document on stdout.")
+
+
+def split_spec(spec: str | None, topology: str | None, accelerator: str | None) -> tuple[str | None, str | None]:
+    """A positional ACCELERATOR_OR_SHAPE as (--topology, --accelerator); contradictions are errors."""
+    if not spec:
+        return topology, accelerator
+    is_shape = bool(SHAPE_RE.match(spec.strip().lower()))
+    given = topology if is_shape else accelerator
+    if given and given != spec:
+        flag = "--topology" if is_shape else "--accelerator"
+        raise TopologyError(f"two slices given: '{spec}' and {flag} '{given}'", "give one")
+    return (spec, accelerator) if is_shape else (topology, spec)
 
 
 @app.command("topology")

@@ -145,6 +145,8 @@ def hosts_table(plan: MeshPlan) -> Table:
             Text(str(p), style=host_color(p)), str(p // t.num_hosts), str(w),
             _ranges(ids), _coords(t.host_chips(w), dims),
         )
+    if plan.num_processes > MAX_ROWS:
+        table.caption = f"... {plan.num_processes - MAX_ROWS} more hosts (use --json for all)"
     return table
 
 
@@ -162,6 +164,8 @@ def mesh_lines(plan: MeshPlan) -> list[str]:
         out.append(
             f"host {p}: slice {p // t.num_hosts} worker {p % t.num_hosts} devices {_ranges(plan.process_device_ids(p))}"
         )
+    if plan.num_processes > MAX_ROWS:
+        out.append(f"... {plan.num_processes - MAX_ROWS} more hosts (use --json for all)")
     return out
 
 

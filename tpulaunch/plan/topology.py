@@ -194,12 +194,6 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def _valid_list(gen: Generation, limit: int = 12) -> str:
-    shapes = gen.valid_shapes
-    listed = ", ".join(shapes[:limit])
-    return listed + (f", ... ({len(shapes)} in all)" if len(shapes) > limit else "")
-
-
 def _chips_per_host_bounds(gen: Generation, dims3: Coord, chips_per_host: int | None) -> Coord:
     chips = math.prod(dims3)
     shape = _shape_str(dims3 if gen.torus_dims == 3 else dims3[:2])
@@ -233,13 +227,15 @@ def make_topology(
         want = "XxYxZ" if gen.torus_dims == 3 else "XxY"
         raise TopologyError(
             f"{gen.name} is a {gen.torus_dims}D torus but '{_shape_str(dims)}' has {len(dims)} dimensions",
-            f"write it as {want}; valid {gen.name} shapes: {_valid_list(gen)}",
+            f"write it as {want}; valid {gen.name} shapes: {gen.describe_shapes()}",
         )
     shape = _shape_str(dims)
-    if shape not in gen.valid_shapes:
+    if not gen.is_valid(dims):
+        same_size = gen.canonical_shape(math.prod(dims))
+        suggest = f"the {math.prod(dims)}-chip {gen.name} slice is {same_size}; " if same_size else ""
         raise TopologyError(
             f"{shape} is not a valid {gen.name} slice",
-            f"valid {gen.name} shapes: {_valid_list(gen)}",
+            f"{suggest}valid {gen.name} shapes: {gen.describe_shapes()}",
         )
     dims3: Coord = (dims[0], dims[1], dims[2] if len(dims) == 3 else 1)
     bounds = _chips_per_host_bounds(gen, dims3, chips_per_host)
@@ -264,21 +260,16 @@ def parse_accelerator_type(text: str, chips_per_host: int | None = None) -> Topo
     gen = generation(m.group(1))
     n = int(m.group(2))
     unit = gen.cores_per_suffix_unit
-    candidates = [
-        s for s in gen.valid_shapes if math.prod(parse_shape(s)) * unit == n
-    ]
-    if not candidates:
-        sizes = sorted({math.prod(parse_shape(s)) * unit for s in gen.valid_shapes})
+    shape = gen.canonical_shape(n // unit) if n % unit == 0 else None
+    if shape is None:
+        sizes = [c * unit for c in gen.sizes()]
+        shown = ", ".join(f"{gen.type_prefix}-{s}" for s in sizes[:10])
         raise TopologyError(
             f"{text} is not a {gen.name} slice size",
-            f"the suffix counts {gen.suffix_counts}; valid sizes: "
-            + ", ".join(f"{gen.type_prefix}-{s}" for s in sizes[:14])
-            + (" ..." if len(sizes) > 14 else ""),
+            f"the suffix counts {gen.suffix_counts}; valid sizes: {shown}"
+            + (f" ... {gen.type_prefix}-{sizes[-1]}" if len(sizes) > 10 else ""),
         )
-    # Several shapes can share a size (v4 4x4x8 vs 4x8x4): the canonical one is the most cubic,
-    # with the longest dimension last, which is what the Cloud TPU API returns by default.
-    best = min(candidates, key=lambda s: (max(parse_shape(s)) - min(parse_shape(s)), sorted(parse_shape(s)) != list(parse_shape(s))))
-    return make_topology(gen, parse_shape(best), chips_per_host)
+    return make_topology(gen, parse_shape(shape), chips_per_host)
 
 
 def resolve(
@@ -332,7 +323,7 @@ def resolve(
         gen = generation(acc)  # type: ignore[arg-type]
         raise TopologyError(
             f"--accelerator {acc} needs a shape or a size",
-            f"add --topology (valid {gen.name} shapes: {_valid_list(gen)}) or write {gen.type_prefix}-N",
+            f"add --topology (valid {gen.name} shapes: {gen.describe_shapes()}) or write {gen.type_prefix}-N",
         )
     dims = parse_shape(shape_text)
     if acc:
