@@ -103,7 +103,10 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - last-resort handler
         click_exc, abort_exc = _click_exception_types()
         if isinstance(e, click_exc):
-            e.show()
+            # One line, like every other bad input: what was wrong, and where the help is.
+            ctx = getattr(e, "ctx", None)
+            where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            Output().error(f"{e.format_message()}{where}")
             sys.exit(e.exit_code)
         if isinstance(e, abort_exc):
             sys.exit(ExitCode.INTERRUPTED)

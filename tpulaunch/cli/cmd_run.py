@@ -11,6 +11,7 @@ from tpulaunch import run
 from tpulaunch.cli import app
 from tpulaunch.cli.cmd_mesh import DCN_OPT, MESH_OPT, NUM_SLICES_OPT
 from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
+from tpulaunch.cli.noise import NoiseFold
 from tpulaunch.cli.output import Output, host_color
 from tpulaunch.cli.slices import SLICE_OPTIONS
 from tpulaunch.errors import LaunchError
@@ -24,12 +25,18 @@ class TerminalSink:
         self.out = out
         self.show = show
         self.console = out.err if out.json_mode else out.out
+        self.noise = NoiseFold()
 
     def host_line(self, process: int, stream: str, text: str) -> None:
         if self.show is not None and process not in self.show:
             return
+        kind = self.noise.classify(text)
+        if kind == "fold":
+            return
         prefix = Text(f"[host {process}] ", style=host_color(process))
         body = Text(text, style="red" if stream == "stderr" and self.console.is_terminal else "")
+        if kind == "first":
+            body.append(" (tpulaunch: shown once; repeats are folded, the host logs keep them)", style="dim")
         self.console.print(prefix + body, overflow="ignore", crop=False, soft_wrap=True)
 
     def progress(self, message: str) -> None:
@@ -45,8 +52,11 @@ def parse_hosts(value: str | None) -> set[int] | None:
         raise LaunchError(f"--hosts '{value}' is not a list of host numbers", "write --hosts 0 or --hosts 0,2 or --hosts all") from None
 
 
-def report(out: Output, summary: RunSummary) -> None:
+def report(out: Output, summary: RunSummary, sink: TerminalSink | None = None) -> None:
     """The end-of-run summary: JSON document, or one line per host plus the verdict."""
+    folded = sink.noise.summary() if sink is not None else None
+    if folded:
+        out.info(f"note: {folded}")
     if out.json_mode:
         out.json(summary.to_dict())
         return
@@ -150,6 +160,7 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
         )
     if not req.command:
         out.info(f"framework: {plan.framework} ({prep.framework_reason})")
-    summary = run.launch(prep, TerminalSink(out, show))
-    report(out, summary)
+    sink = TerminalSink(out, show)
+    summary = run.launch(prep, sink)
+    report(out, summary, sink)
     return summary.exit_code

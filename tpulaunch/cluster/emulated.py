@@ -127,7 +127,7 @@ def start_emulated(
     ports = _free_ports(9 * len(hosts))
     try:
         s0, w0 = hosts[0]
-        say(f"starting Ray head (emulated {s0.name} host 0)")
+        say(f"starting the Ray head: host 0 of slice {s0.name}")
         env = {**base_env, **host_node_env(s0, topology, w0)}
         _run_ray_start(ray_start_argv(head=True, address=None, temp_dir=temp_dir, chips_per_host=topology.chips_per_host,
                                       ports=ports[0:9], dashboard=dashboard), env, "the head node")
@@ -138,8 +138,8 @@ def start_emulated(
             env = {**base_env, **host_node_env(s, topology, w)}
             argv = ray_start_argv(head=False, address=info.address, temp_dir=temp_dir,
                                   chips_per_host=topology.chips_per_host, ports=ports[9 * i:9 * i + 9])
-            _run_ray_start(argv, env, f"emulated {s.name} host {w}")
-            say(f"emulated {s.name} host {w} joined")
+            _run_ray_start(argv, env, f"host {w} of slice {s.name}")
+            say(f"host {w} of slice {s.name} joined")
 
         # One at a time: raylets started in parallel on one machine race for the same internal
         # ports and log-file names (seen with Ray 2.60: `bind: Address already in use`).

@@ -119,7 +119,7 @@ def request_num_slices(req: SliceRequest) -> int:
 
 def _wanted_slices(req: SliceRequest) -> int:
     if req.num_slices is not None and req.num_slices < 1:
-        raise MeshError(f"--num-slices {req.num_slices}", "use 1 or more")
+        raise MeshError(f"--num-slices {req.num_slices} is not a number of slices", "use 1 or more")
     from_dcn = None
     if req.dcn:
         sizes = [n for _, n in parse_axes(req.dcn, "--dcn")]

@@ -311,7 +311,7 @@ def plan_mesh(
     if num_slices is None:
         num_slices = math.prod(n for _, n in dcn_axes) if dcn_axes else 1
     if num_slices < 1:
-        raise MeshError(f"--num-slices {num_slices}", "use 1 or more")
+        raise MeshError(f"--num-slices {num_slices} is not a number of slices", "use 1 or more")
 
     if ici_axes is None:
         if topology.num_hosts == 1:
