@@ -37,6 +37,16 @@ class RunContext:
         """True on process 0: the one that should log, save, and report."""
         return self.process_index == 0
 
+    @property
+    def rank(self) -> int:
+        """torch.distributed's word for `process_index` (the rank in the slice's gloo group)."""
+        return self.process_index
+
+    @property
+    def world_size(self) -> int:
+        """torch.distributed's word for `num_processes` (one process per TPU host)."""
+        return self.num_processes
+
 
 _STATE: dict[str, Any] = {"ctx": None, "mesh": None}
 

@@ -155,6 +155,7 @@ def build_plan(
     megascale_port: int = MEGASCALE_PORT,
     emulated: bool,
     emulation_env: dict[str, str] | None = None,
+    emulation_port: int | None = None,
     metadata_server: bool = False,
     distributed: bool = True,
     log_dir: str,
@@ -167,7 +168,8 @@ def build_plan(
     without one (emulation, containers) the slice facts are pushed as `TPU_*` variables with
     `TPU_SKIP_MDS_QUERY=1`, the fallback torch_xla and libtpu honour. `emulation_env` is what
     the framework adapter needs to emulate a host on CPU (`Framework.emulation_env`), applied
-    when `emulated`.
+    when `emulated`; `emulation_port` is the port of the store emulated hosts use among
+    themselves (per-host input is all-gathered over it).
     """
     topo = mesh.topology
     if len(slices) != mesh.num_slices:
@@ -232,6 +234,8 @@ def build_plan(
                 )
             if emulated:
                 env.update(emulation_env or {})
+                if emulation_port is not None:
+                    env["TPULAUNCH_EMULATION_PORT"] = str(emulation_port)
             env.update(user_env or {})
             hosts.append(HostLaunch(proc, s_idx, w.worker_id, s.name, w.ip, env))
     hosts.sort(key=lambda h: h.process_index)

@@ -67,7 +67,7 @@ class Prepared:
     cluster: ClusterInfo | None  # an existing cluster to join (None: start one)
     framework_reason: str
     request: LaunchRequest
-    runtime_env: dict | None  # the working directory Ray ships to every host (checked for size)
+    runtime_env: dict | None  # the working directory Ray ships to every real host (checked for size)
     notes: tuple[str, ...] = ()
 
 
@@ -82,6 +82,7 @@ def _framework(req: LaunchRequest, workdir: Path) -> tuple[str, str]:
 
 def prepare(req: LaunchRequest) -> Prepared:
     """Everything up to the LaunchPlan. No host processes; discovery and a Ray query only if asked."""
+    _check_numbers(req)
     workdir = Path(req.workdir).resolve()
     if not workdir.is_dir():
         raise LaunchError(f"working directory {req.workdir} does not exist", "pass an existing --workdir")
@@ -99,8 +100,12 @@ def prepare(req: LaunchRequest) -> Prepared:
     cluster = resolve_address(req.address)
     resolved = discover.resolve(req.slice_request(), cluster_slices(cluster, req))
     emulated = resolved.emulated or (cluster is not None and cluster.emulated)
-    # Checked here so an oversized directory is refused before anything starts.
+    # Checked here so an oversized directory is refused before anything starts, emulated too (the
+    # rehearsal refuses what the slice would). Emulated hosts share this filesystem: the script runs
+    # in place, nothing is uploaded (and Ray's package cache cannot remove a directory in use).
     runtime_env = workdir_runtime_env(str(workdir), req.max_upload_mb) if req.ship_workdir else None
+    if emulated:
+        runtime_env = None
     fw, reason = _framework(req, workdir)
     if not req.command:
         frameworks.require_installed(fw)
@@ -112,10 +117,21 @@ def prepare(req: LaunchRequest) -> Prepared:
         slices=list(resolved.slices), mesh=mesh, script=script, args=req.args, framework=fw,
         user_env=parse_env(req.env), run_id=run_id, coordinator_port=port, jax_coordinator_port=jax_port,
         emulated=emulated, emulation_env=frameworks.get(fw).emulation_env(resolved.topology, resolved.num_slices),
+        emulation_port=free_port() if emulated else None,
         metadata_server=(resolved.source in ("metadata", "ray")), distributed=req.distributed and not req.command,
         log_dir=str((Path(req.log_dir) / run_id).resolve()), workdir=str(workdir), command=tuple(req.command),
     )
     return Prepared(plan, resolved, cluster, reason, req, runtime_env, resolved.notes)
+
+
+def _check_numbers(req: LaunchRequest) -> None:
+    """Numeric flags that Typer parses but cannot judge."""
+    for flag, value, unit in (("--schedule-timeout", req.schedule_timeout, "seconds"),
+                              ("--max-upload-mb", req.max_upload_mb, "MiB")):
+        if not value > 0:
+            raise LaunchError(f"{flag} {value:g} is not positive", f"give it in {unit}, above 0")
+    if req.coordinator_port is not None and not 0 < req.coordinator_port < 65536:
+        raise LaunchError(f"coordinator port {req.coordinator_port} is not a TCP port", "use 1-65535")
 
 
 def cluster_slices(cluster: ClusterInfo | None, req: LaunchRequest) -> discover.ClusterSlices | None:

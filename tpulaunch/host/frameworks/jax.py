@@ -66,6 +66,7 @@ class Jax:
                                                       _env_float("TPULAUNCH_DIST_TIMEOUT", 300))),
             )
             self._initialized = True
+            _adopt_user_initialize(self, state)
         if jax.process_count() != state.num_processes or jax.process_index() != state.process_index:
             raise MeshMismatchError(
                 f"JAX reports process {jax.process_index()} of {jax.process_count()},"
@@ -117,6 +118,52 @@ class Jax:
         if t.is_alive():
             print(f"tpulaunch: jax.distributed.shutdown did not finish in {timeout:g} s; leaving anyway",
                   file=sys.stderr)
+
+
+def _adopt_user_initialize(adapter: "Jax", state: "HostState") -> None:
+    """A script's own `jax.distributed.initialize()` finds the slice's runtime already joined.
+
+    JAX allows one initialize per process, before any backend use; tpulaunch has made it (with the
+    plan's coordinator, process count and id). The script's call, with no arguments as Google's
+    TPU docs show or with explicit ones that agree with the plan, returns at once; arguments that
+    contradict the plan (another process count or id) are an error that says so, and a second
+    call fails as it would on a TPU host. The script's
+    own `jax.distributed.shutdown()` runs as usual, and tpulaunch then does not shut down again.
+    """
+    import functools
+    import inspect
+
+    import jax
+
+    original_init, original_shutdown = jax.distributed.initialize, jax.distributed.shutdown
+    signature = inspect.signature(original_init)
+
+    calls = []
+
+    @functools.wraps(original_init)
+    def initialize(*args: Any, **kwargs: Any) -> None:
+        if not adapter._initialized:
+            return original_init(*args, **kwargs)
+        if calls:
+            raise RuntimeError("distributed.initialize should only be called once.")  # as JAX says
+        calls.append(True)
+        given = signature.bind_partial(*args, **kwargs).arguments
+        wrong = [f"{k}={given[k]}" for k, ours in (("num_processes", state.num_processes),
+                                                   ("process_id", state.process_index))
+                 if given.get(k) is not None and int(given[k]) != ours]
+        if wrong:
+            raise RuntimeError(
+                f"jax.distributed.initialize({', '.join(wrong)}) contradicts the slice tpulaunch launched:"
+                f" this host is process {state.process_index} of {state.num_processes}")
+        return None
+
+    @functools.wraps(original_shutdown)
+    def shutdown() -> None:
+        adapter._initialized = False
+        return original_shutdown()
+
+    jax.distributed.initialize = initialize
+    jax.distributed.shutdown = shutdown
 
 
 def _env_float(name: str, default: float) -> float:

@@ -6,13 +6,12 @@ pickled MeshPlan (building it anywhere else would initialize PJRT and hold the c
 
 Emulation: several CPU processes cannot form one XLA runtime, so each emulated host holds as
 many CPU devices as the whole launch (`CPU_NUM_DEVICES`) and runs the full SPMD program; the
-global mesh validates exactly as on the TPU. The gloo process group across hosts is real.
+global mesh validates exactly as on the TPU, and `torch_xla_emulation` makes the runtime answer
+as host `i` of `N` would. The gloo process group across hosts is real (`torch_dist`).
 """
 
 from __future__ import annotations
 
-import datetime
-import os
 from typing import TYPE_CHECKING, Any
 
 from tpulaunch.errors import MeshMismatchError
@@ -35,29 +34,24 @@ class TorchXLA:
         import torch_xla  # noqa: F401  (registers the XLA device)
         import torch_xla.runtime as xr
 
+        from tpulaunch.host.frameworks import torch_dist
+
         xr.use_spmd()
-        if not state.emulated:
+        xr.use_spmd = _spmd_already_on(xr.use_spmd)
+        _save_each_local_shard_once()
+        if state.emulated:
+            from tpulaunch.host.frameworks import torch_xla_emulation
+
+            torch_xla_emulation.install(state)
+        elif xr.process_count() != state.num_processes or xr.process_index() != state.process_index:
             # On a real slice libtpu forms one runtime over all hosts; its view must be ours.
-            if xr.process_count() != state.num_processes or xr.process_index() != state.process_index:
-                raise MeshMismatchError(
-                    f"torch_xla runtime reports process {xr.process_index()} of {xr.process_count()},"
-                    f" but tpulaunch launched process {state.process_index} of {state.num_processes}",
-                    "the slice tpulaunch planned is not the slice libtpu sees; check --tpu/--topology",
-                )
+            raise MeshMismatchError(
+                f"torch_xla runtime reports process {xr.process_index()} of {xr.process_count()},"
+                f" but tpulaunch launched process {state.process_index} of {state.num_processes}",
+                "the slice tpulaunch planned is not the slice libtpu sees; check --tpu/--topology",
+            )
         if state.distributed:
-            self._init_process_group(state)
-
-    def _init_process_group(self, state: "HostState") -> None:
-        import torch.distributed as dist
-
-        addr = state.coordinator_address
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{addr}",
-            rank=state.process_index,
-            world_size=state.num_processes,
-            timeout=datetime.timedelta(seconds=float(os.environ.get("TPULAUNCH_DIST_TIMEOUT", "300"))),
-        )
+            torch_dist.init_slice_group(state)
 
     def build_mesh(self, plan: "MeshPlan", state: "HostState") -> Any:
         import numpy as np
@@ -77,13 +71,62 @@ class TorchXLA:
         return mesh
 
     def shutdown(self) -> None:
-        try:
-            import torch.distributed as dist
+        from tpulaunch.host.frameworks import torch_dist
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
+        torch_dist.shutdown()
+
+
+def _save_each_local_shard_once() -> None:
+    """Distributed checkpoints keep every shard, also when a host holds several replicas of one.
+
+    torch_xla's `SPMDSavePlanner` lists one write item per local device; replicas of a shard get
+    equal `MetadataIndex`es (its shard number is not compared), and torch's `dedup_tensors` then
+    drops *every* copy of such a key from that host's plan, the first one too: the shard is not
+    saved at all. That happens on a TPU host holding two replicas of a shard (a `(None, ...)` axis
+    inside the host), and always on an emulated host, which holds every device of the slice.
+    Keeping the first of equal items in the local plan saves each shard once, as intended.
+    """
+    import dataclasses
+    import functools
+
+    import torch_xla.experimental.distributed_checkpoint.planners as planners
+
+    original = planners.SPMDSavePlanner.create_local_plan
+    if getattr(original, "__tpulaunch__", False):
+        return
+
+    @functools.wraps(original)
+    def create_local_plan(self: Any) -> Any:
+        plan = original(self)
+        seen: set = set()
+        items = []
+        for item in plan.items:
+            if item.index not in seen:
+                seen.add(item.index)
+                items.append(item)
+        return dataclasses.replace(plan, items=items)
+
+    create_local_plan.__tpulaunch__ = True  # type: ignore[attr-defined]
+    planners.SPMDSavePlanner.create_local_plan = create_local_plan
+
+
+def _spmd_already_on(original: Any) -> Any:
+    """The script's own `xr.use_spmd()` finds SPMD on (tpulaunch turned it on first): say nothing.
+
+    Without this, torch_xla would warn that `XLA_USE_SPMD` is deprecated, because the first call
+    set that variable; on the slice the script's call is the first and says nothing.
+    """
+    import functools
+
+    @functools.wraps(original)
+    def use_spmd(auto: bool | None = False) -> None:
+        import torch_xla.runtime as xr
+
+        if xr.is_spmd() and not auto:
+            return None
+        return original(auto)
+
+    return use_spmd
 
 
 def runtime_device_ids(plan: "MeshPlan", attributes: list[dict]) -> list[int]:

@@ -1,0 +1,135 @@
+"""What an emulated torch_xla host answers, so a script sees what it would see on the slice.
+
+An emulated host is one CPU process holding the whole slice's devices (several CPU processes
+cannot form one XLA runtime), so left alone every host would call itself process 0 of 1. On the
+slice, libtpu forms one runtime over all hosts. `install()` makes the runtime's answers those
+of host `i` of `N`; the README's emulation section lists them:
+
+| query | real slice | emulated host, after `install()` |
+| --- | --- | --- |
+| `xr.process_index()` / `xr.process_count()` | `i` / `N` (libtpu) | `i` / `N` |
+| `xr.host_index()` | the TPU worker id | the TPU worker id |
+| `xr.addressable_runtime_device_count()` | devices of one host | devices of one host |
+| `xr.global_runtime_device_count()` | devices of the slice | devices of the slice (unchanged) |
+| `xr.get_master_ip()` | host 0's IP (found by an SPMD computation) | host 0's IP (from the plan) |
+
+Per-host input (`ShardingSpec(..., minibatch=True)` in `MpDeviceLoader` / `ParallelLoader` /
+`xm.send_cpu_data_to_device`): on the slice each host uploads its own rows and the runtime
+assembles the global batch. Here each host holds every device, so the hosts' local batches are
+all-gathered (process order) over a private gloo group, and the global batch is uploaded whole:
+every emulated host computes on the same global batch the slice would. The per-host divisibility
+check torch_xla makes on the slice is made here too.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from tpulaunch.plan.launch import HostState
+
+EMULATION_PORT_ENV = "TPULAUNCH_EMULATION_PORT"
+
+
+def _answer(original: Callable[..., Any], value: Any) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def emulated(*_args: Any, **_kwargs: Any) -> Any:
+        return value
+
+    return emulated
+
+
+def install(state: "HostState") -> None:
+    """Patch torch_xla's runtime queries and minibatch upload for emulated host `state`."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    coordinator_host = state.coordinator_address.rsplit(":", 1)[0]
+    answers = {
+        "process_index": state.process_index,
+        "process_count": state.num_processes,
+        "host_index": state.worker_id,
+        "addressable_runtime_device_count": state.mesh.topology.devices_per_host,
+        "get_master_ip": coordinator_host,
+    }
+    for name, value in answers.items():
+        if hasattr(xr, name):
+            setattr(xr, name, _answer(getattr(xr, name), value))
+    gather = _MinibatchGather(state)
+    xm.send_cpu_data_to_device = _minibatch_as_global(xm.send_cpu_data_to_device, gather, xm)
+
+
+class _MinibatchGather:
+    """All-gathers each host's local batch over a private gloo group (opened on first use)."""
+
+    def __init__(self, state: "HostState") -> None:
+        self.state = state
+        self.devices_per_host = state.mesh.topology.devices_per_host
+        self._group: Any = None
+        self._lock = threading.Lock()
+
+    def _pg(self) -> Any:
+        if self._group is None:
+            import torch.distributed as dist
+
+            from tpulaunch.host.frameworks.torch_dist import dist_timeout
+
+            host = self.state.coordinator_address.rsplit(":", 1)[0]
+            port = int(os.environ[EMULATION_PORT_ENV])
+            store = dist.TCPStore(host, port, self.state.num_processes, self.state.process_index == 0,
+                                  timeout=dist_timeout())
+            self._group = dist.ProcessGroupGloo(dist.PrefixStore("tpulaunch-minibatch", store),
+                                                self.state.process_index, self.state.num_processes,
+                                                dist_timeout())
+            self._store = store  # keep the server (host 0) alive as long as the group
+        return self._group
+
+    def global_batch(self, local: Any, spec: Any) -> Any:
+        import torch
+
+        if not spec.can_apply(local) or local.dim() == 0:
+            return local  # torch_xla uploads these as they are (replicated) on the slice too
+        if local.size(0) % self.devices_per_host:
+            raise RuntimeError(
+                "When minibatch is configured, the per-host batch size must be divisible by local runtime"
+                f" device count. Per host input data shape = {local.size()}, local_runtime_device_count ="
+                f" {self.devices_per_host}")
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.state.num_processes)]
+        with self._lock:
+            self._pg().allgather([parts], [local]).wait()
+        return torch.cat(parts, dim=0)
+
+
+def _minibatch_as_global(original: Callable[..., Any], gather: _MinibatchGather, xm: Any) -> Callable[..., Any]:
+    plain_specs: dict[int, Any] = {}
+
+    def without_minibatch(spec: Any) -> Any:
+        if id(spec) not in plain_specs:
+            plain = copy.copy(spec)
+            plain.minibatch = False
+            plain_specs[id(spec)] = (spec, plain)  # keep `spec` alive so its id stays unique
+        return plain_specs[id(spec)][1]
+
+    @functools.wraps(original)
+    def send_cpu_data_to_device(datas: Any, device: Any, input_sharding: Any = None) -> Any:
+        if input_sharding is None or not getattr(input_sharding, "minibatch", False):
+            return original(datas, device, input_sharding)
+        import torch
+
+        def to_global(tensors: list) -> list:
+            return [gather.global_batch(t, input_sharding) for t in tensors]
+
+        def is_cpu_tensor(v: Any) -> bool:
+            return type(v) is torch.Tensor and v.device.type == "cpu"
+
+        if type(datas) is torch.Tensor:
+            datas = [datas]
+        global_datas = xm.ToXlaTensorArena(to_global, is_cpu_tensor).transform(datas)
+        return original(global_datas, device, without_minibatch(input_sharding))
+
+    return send_cpu_data_to_device
