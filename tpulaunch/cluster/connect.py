@@ -5,20 +5,19 @@ The only module that calls `ray.init`.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Iterator
 
 from tpulaunch.cluster.processes import cluster_pids
 from tpulaunch.cluster.record import ClusterInfo, load_record
 from tpulaunch.errors import ClusterError
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def resolve_address(address: str | None) -> ClusterInfo | None:
@@ -65,27 +64,161 @@ def _local_ray_address() -> ClusterInfo | None:
                        emulated=False)
 
 
-def connect(info: ClusterInfo, runtime_env: dict | None = None) -> None:
-    """`ray.init` against the cluster, quietly; Ray's own log forwarding is off (we stream).
+CONNECT_TIMEOUT_ENV = "TPULAUNCH_CONNECT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT = 15.0
+_HINT = "check --address, and that the cluster is up (`tpulaunch cluster status`)"
+_ABANDONED: list[threading.Thread] = []  # ray.init calls that did not finish in time
 
-    `runtime_env` (the user's working directory) is job-level: Ray uploads it once per run.
+
+def connect_timeout() -> float:
+    raw = os.environ.get(CONNECT_TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_CONNECT_TIMEOUT
+    except ValueError:
+        raise ClusterError(f"{CONNECT_TIMEOUT_ENV}='{raw}' is not a number of seconds", "set it to e.g. 15") from None
+    if not value > 0:
+        raise ClusterError(f"{CONNECT_TIMEOUT_ENV}={raw} is not positive", "set it to e.g. 15")
+    return value
+
+
+def probe(address: str, timeout: float) -> None:
+    """A TCP connect to the Ray head (GCS, or the Ray Client server for ray://) before ray.init.
+
+    Ray retries a dead address for many minutes, inside calls no signal interrupts; a refused or
+    silent port is known here in at most `timeout` seconds.
     """
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except ValueError:
+        raise ClusterError(f"--address {address} is not HOST:PORT", "write it as 10.0.0.2:6379, ray://HOST:PORT or auto") from None
+    except OSError as e:
+        if isinstance(e, (socket.timeout, TimeoutError)):
+            why = f"no answer within {timeout:g} s"
+        else:
+            why = (e.strerror or type(e).__name__).lower()
+        raise ClusterError(f"cannot reach Ray at {address}: {why}", _HINT) from None
+
+
+def connect(info: ClusterInfo, runtime_env: dict | None = None, timeout: float | None = None) -> None:
+    """`ray.init` against the cluster, quietly and bounded in time (`TPULAUNCH_CONNECT_TIMEOUT`, 15 s).
+
+    Ray's own log forwarding is off (we stream). `runtime_env` (the working directory shipped to
+    real hosts) is job-level: Ray uploads it once per run. ray.init runs on a helper thread, so
+    this thread stays free to take SIGINT/SIGTERM and to give up at the deadline.
+    """
+    timeout = connect_timeout() if timeout is None else timeout
     if "ray" in sys.modules and info.token_path and os.environ.get("RAY_AUTH_TOKEN_PATH") != info.token_path:
         raise ClusterError("internal: Ray was imported before its auth token was set", "report this bug")
+    deadline = time.monotonic() + timeout
+    probe(info.address, min(timeout, 5.0))
     for k, v in info.ray_env().items():
         os.environ[k] = v
     import ray
 
-    try:
-        ray.init(address=info.address, logging_level="ERROR", log_to_driver=False,
-                 configure_logging=True, runtime_env=runtime_env)
-    except Exception as e:  # noqa: BLE001 - Ray raises many types for "cannot connect"
-        raise ClusterError(f"cannot connect to Ray at {info.address}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                           "check --address, and that the cluster is up (`tpulaunch cluster status`)") from e
+    _relay_to_file()
+    outcome: dict[str, BaseException | None] = {}
+
+    def init() -> None:
+        try:
+            ray.init(address=info.address, logging_level="ERROR", log_to_driver=False,
+                     configure_logging=True, runtime_env=runtime_env)
+            outcome["error"] = None
+        except BaseException as e:  # noqa: BLE001 - Ray raises many types for "cannot connect"
+            outcome["error"] = e
+
+    t = threading.Thread(target=init, name="tpulaunch-ray-init", daemon=True)
+    t.start()
+    while t.is_alive() and time.monotonic() < deadline:
+        t.join(0.2)
+    if t.is_alive():
+        _ABANDONED.append(t)
+        raise ClusterError(f"Ray at {info.address} did not accept the connection within {timeout:g} s",
+                           f"{_HINT}; {CONNECT_TIMEOUT_ENV} sets the limit")
+    e = outcome.get("error")
+    if e is not None:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ClusterError(f"cannot connect to Ray at {info.address}: {type(e).__name__}: {first}", _HINT) from e
 
 
-def disconnect() -> None:
+_GONE: list[bool] = []  # the cluster's head is gone: no Ray call can return
+
+
+def forget_cluster() -> None:
+    """The head is gone: make no more Ray calls (each would wait for it; Ray would then end us)."""
+    _GONE.append(True)
+
+
+def abandoned() -> bool:
+    """True when Ray cannot be left cleanly (a ray.init never returned, or the head is gone):
+    the process must not wait for Ray on its way out (`os._exit` after the last output)."""
+    return bool(_GONE) or any(t.is_alive() for t in _ABANDONED)
+
+
+def disconnect(timeout: float = 10.0) -> None:
+    """ray.shutdown(), bounded: a cluster whose head is gone must not hold the launcher."""
     import ray
 
-    if ray.is_initialized():
-        ray.shutdown()
+    if abandoned() or not ray.is_initialized():
+        return
+    t = threading.Thread(target=ray.shutdown, name="tpulaunch-ray-shutdown", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        _ABANDONED.append(t)
+
+
+@contextlib.contextmanager
+def ray_output_to(path: Path, enabled: bool) -> Iterator[None]:
+    """Ray's own output goes to `path`, not to the terminal (nor into a --json document).
+
+    Everything written to fd 2 (Ray's C++ and Python logs: GCS retries, node deaths) lands in
+    the file, and tpulaunch keeps writing to the terminal through a copy of the old stderr. The
+    messages Ray's driver relays from raylets ("A worker died or was killed ...") are printed to
+    `sys.stdout` by `ray._private.worker.print_to_stdstream`; that function is pointed at the
+    file too while this is active (left alone if a Ray version lacks it).
+    """
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    log = open(path, "ab", buffering=0)
+    os.dup2(log.fileno(), 2)
+    old = sys.stderr
+    sys.stderr = io.TextIOWrapper(os.fdopen(os.dup(saved), "wb", buffering=0), write_through=True,
+                                  encoding=getattr(old, "encoding", None) or "utf-8", errors="replace")
+    _RELAY["log"] = log
+    _relay_to_file()  # now if Ray is imported, else when connect() imports it
+    try:
+        yield
+    finally:
+        ray_worker = sys.modules.get("ray._private.worker")
+        if ray_worker is not None and _RELAY.get("original") is not None:
+            ray_worker.print_to_stdstream = _RELAY["original"]
+        _RELAY.clear()
+        sys.stderr.flush()
+        sys.stderr = old
+        os.dup2(saved, 2)
+        os.close(saved)
+        log.close()
+
+
+_RELAY: dict = {}
+
+
+def _relay_to_file() -> None:
+    """Point Ray's `print_to_stdstream` (raylet messages to sys.stdout) at the active log file."""
+    log = _RELAY.get("log")
+    ray_worker = sys.modules.get("ray._private.worker")
+    if log is None or ray_worker is None or "original" in _RELAY:
+        return
+    _RELAY["original"] = getattr(ray_worker, "print_to_stdstream", None)
+    if _RELAY["original"] is None:
+        return
+
+    def to_file(data: dict, ignore_prefix: bool = False) -> None:
+        for line in data.get("lines", []):
+            log.write(f"({data.get('pid', 'ray')}) {line}\n".encode("utf-8", "replace"))
+
+    ray_worker.print_to_stdstream = to_file

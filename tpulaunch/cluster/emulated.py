@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
+from tpulaunch.cluster.ports import free_ports
 from tpulaunch.cluster.processes import stop_processes
 from tpulaunch.cluster.record import ClusterInfo
 from tpulaunch.errors import ClusterError
@@ -34,20 +34,6 @@ from tpulaunch.plan.topology import Topology
 EMULATED_NODE_IP = "127.0.0.2"
 OBJECT_STORE_BYTES = 128 * 1024 * 1024  # per emulated host; runs move little through Ray
 START_TIMEOUT_S = 120.0
-
-
-def _free_ports(n: int) -> list[int]:
-    """n distinct free ports (held open together so the OS cannot hand out one twice)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def host_node_env(spec: SliceSpec, topology: Topology, worker_id: int) -> dict[str, str]:
@@ -105,6 +91,35 @@ def _run_ray_start(argv: list[str], env: dict[str, str], what: str) -> None:
                            "run with --debug; Ray's logs are under the cluster temp dir")
 
 
+# A lost emulated host is noticed in seconds (Ray's defaults take about half a minute): the head
+# checks every node each second and declares it dead after 3 missed checks.
+FAST_HEALTH_CHECKS = {
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+}
+
+
+def _base_env(info: ClusterInfo) -> dict[str, str]:
+    env = dict(os.environ)
+    for k in ("RAY_ADDRESS", "TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS"):
+        env.pop(k, None)
+    env.update(info.ray_env())
+    env.update(FAST_HEALTH_CHECKS)
+    env["RAY_prestart_worker_first_driver"] = "0"
+    return env
+
+
+def _join(info: ClusterInfo, spec: SliceSpec, topology: Topology, worker: int, ports: list[int]) -> None:
+    """`ray start` one more emulated host into the cluster at `info.address`."""
+    assert info.temp_dir is not None
+    env = {**_base_env(info), **host_node_env(spec, topology, worker)}
+    argv = ray_start_argv(head=False, address=info.address, temp_dir=info.temp_dir,
+                          chips_per_host=topology.chips_per_host, ports=ports)
+    _run_ray_start(argv, env, f"host {worker} of slice {spec.name}")
+
+
 def start_emulated(
     slices: list[SliceSpec], topology: Topology, *, dashboard: bool = False,
     progress: Callable[[str], None] | None = None,
@@ -118,37 +133,37 @@ def start_emulated(
         f.write(secrets.token_hex(32))
     info = ClusterInfo(address="", temp_dir=temp_dir, token_path=token_path, emulated=True,
                        slices=[s.to_dict() for s in slices])
-    base_env = dict(os.environ)
-    for k in ("RAY_ADDRESS", "TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS"):
-        base_env.pop(k, None)
-    base_env.update(info.ray_env())
-    base_env["RAY_prestart_worker_first_driver"] = "0"
     hosts = [(s, w) for s in slices for w in range(topology.num_hosts)]
-    ports = _free_ports(9 * len(hosts))
+    ports = free_ports(9 * len(hosts))
     try:
         s0, w0 = hosts[0]
         say(f"starting the Ray head: host 0 of slice {s0.name}")
-        env = {**base_env, **host_node_env(s0, topology, w0)}
+        env = {**_base_env(info), **host_node_env(s0, topology, w0)}
         _run_ray_start(ray_start_argv(head=True, address=None, temp_dir=temp_dir, chips_per_host=topology.chips_per_host,
                                       ports=ports[0:9], dashboard=dashboard), env, "the head node")
         info.address = (Path(temp_dir) / "ray_current_cluster").read_text().strip()
-
-        def _join(i: int) -> None:
-            s, w = hosts[i]
-            env = {**base_env, **host_node_env(s, topology, w)}
-            argv = ray_start_argv(head=False, address=info.address, temp_dir=temp_dir,
-                                  chips_per_host=topology.chips_per_host, ports=ports[9 * i:9 * i + 9])
-            _run_ray_start(argv, env, f"host {w} of slice {s.name}")
-            say(f"host {w} of slice {s.name} joined")
-
         # One at a time: raylets started in parallel on one machine race for the same internal
         # ports and log-file names (seen with Ray 2.60: `bind: Address already in use`).
         for i in range(1, len(hosts)):
-            _join(i)
+            s, w = hosts[i]
+            _join(info, s, topology, w, ports[9 * i:9 * i + 9])
+            say(f"host {w} of slice {s.name} joined")
     except BaseException:
         stop_cluster(info)
         raise
     return info
+
+
+def restart_hosts(info: ClusterInfo, topology: Topology, missing: list[tuple[str, int]]) -> None:
+    """Start again the emulated hosts `(slice name, worker id)` whose Ray node was lost.
+
+    What a repaired or re-created TPU VM does on a real slice: a node with the same TPU identity
+    joins, so Ray labels it as the same worker.
+    """
+    specs = {d["name"]: SliceSpec.from_dict(d) for d in info.slices}
+    ports = free_ports(9 * len(missing))
+    for k, (name, worker) in enumerate(missing):
+        _join(info, specs[name], topology, worker, ports[9 * k:9 * k + 9])
 
 
 def stop_cluster(info: ClusterInfo, grace_s: float = 5.0) -> int:

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpulaunch import discover
-from tpulaunch.cluster.connect import connect, disconnect, free_port, resolve_address
-from tpulaunch.cluster.record import ClusterInfo
+from tpulaunch.cluster.connect import connect, disconnect, ray_output_to, resolve_address
+from tpulaunch.cluster.ports import free_port
+from tpulaunch.cluster.record import ClusterInfo, state_dir
 from tpulaunch.errors import LaunchError
 from tpulaunch.host import frameworks
 from tpulaunch.plan.launch import LaunchPlan, build_plan, new_run_id, parse_env
@@ -51,6 +52,13 @@ class LaunchRequest:
     ship_workdir: bool = True
     kill_stale: bool = False
     run_id: str | None = None
+    # faults (see tpulaunch.run.launch)
+    timeout: float | None = None  # wall clock for the whole run
+    stall_timeout: float | None = None  # no output or heartbeat from any host for this long
+    max_restarts: int = 0  # relaunches after a host failed
+    max_preemptions: int = 0  # relaunches after a host was lost or preempted
+    preemption_wait: float = 600.0  # how long to wait for the slice to be whole again
+    preemption_grace: float = 30.0  # a preempted script's time between SIGTERM and SIGKILL
 
     def slice_request(self) -> discover.SliceRequest:
         return discover.SliceRequest(
@@ -126,10 +134,15 @@ def prepare(req: LaunchRequest) -> Prepared:
 
 def _check_numbers(req: LaunchRequest) -> None:
     """Numeric flags that Typer parses but cannot judge."""
-    for flag, value, unit in (("--schedule-timeout", req.schedule_timeout, "seconds"),
-                              ("--max-upload-mb", req.max_upload_mb, "MiB")):
-        if not value > 0:
+    positive = [("--schedule-timeout", req.schedule_timeout, "seconds"), ("--max-upload-mb", req.max_upload_mb, "MiB"),
+                ("--timeout", req.timeout, "seconds"), ("--stall-timeout", req.stall_timeout, "seconds")]
+    for flag, value, unit in positive:
+        if value is not None and not value > 0:
             raise LaunchError(f"{flag} {value:g} is not positive", f"give it in {unit}, above 0")
+    for flag, value in (("--max-restarts", req.max_restarts), ("--max-preemptions", req.max_preemptions),
+                        ("--preemption-wait", req.preemption_wait), ("--preemption-grace", req.preemption_grace)):
+        if value < 0:
+            raise LaunchError(f"{flag} {value:g} is negative", "use 0 or more")
     if req.coordinator_port is not None and not 0 < req.coordinator_port < 65536:
         raise LaunchError(f"coordinator port {req.coordinator_port} is not a TCP port", "use 1-65535")
 
@@ -144,11 +157,12 @@ def cluster_slices(cluster: ClusterInfo | None, req: LaunchRequest) -> discover.
         return discover.ClusterSlices(False)
     from tpulaunch.discover import ray_labels
 
-    connect(cluster)
-    try:
-        found = ray_labels.read_slices()
-    finally:
-        disconnect()
+    with ray_output_to(state_dir() / "ray-driver.log", True):
+        connect(cluster)
+        try:
+            found = ray_labels.read_slices()
+        finally:
+            disconnect()
     return discover.ClusterSlices(False, ray_slices=tuple(found))
 
 

@@ -1,0 +1,62 @@
+"""Ports for processes this machine starts later (Ray nodes, coordinators), chosen so none is taken
+before its owner binds it.
+
+A port found free by `bind(0)` comes from the kernel's ephemeral range, the range every outgoing
+TCP connection also takes its source port from. Between choosing such a port and binding it, any
+connection on the machine (Ray's many gRPC clients, a test suite) can take it: "address already
+in use" (seen: a gloo coordinator port, and raylets started in parallel). Ports below the
+ephemeral range are never handed out that way, so a port free there now stays free until bound,
+unless someone else asks for that very number.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+LOWEST = 10000  # below it: well-known and registered services
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free now, outside the ephemeral range (falling back to bind(0))."""
+    top = _ephemeral_low()
+    out: list[int] = []
+    if top - LOWEST > 10 * n:
+        for port in random.sample(range(LOWEST, top), min(top - LOWEST, 50 * n)):
+            if _is_free(port):
+                out.append(port)
+                if len(out) == n:
+                    return out
+    socks = []
+    try:
+        while len(out) < n:
+            s = socket.socket()
+            s.bind(("", 0))
+            socks.append(s)
+            if s.getsockname()[1] not in out:
+                out.append(s.getsockname()[1])
+        return out
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
