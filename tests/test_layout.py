@@ -21,7 +21,7 @@ ALLOWED = {
     "plan": set(),
     "discover": {"plan", "gcloud"},
     "cluster": {"plan", "gcloud"},
-    "host": {"plan"},
+    "host": {"plan", "discover"},  # discover.metadata: preemption notices
     "run": {"plan", "discover", "cluster", "host"},
     "cli": {"plan", "discover", "cluster", "host", "run", "gcloud"},
 }

@@ -5,9 +5,10 @@ Inside a launched script::
     import tpulaunch
     mesh = tpulaunch.get_mesh()      # torch_xla Mesh or jax.sharding.Mesh, built from the plan
     ctx = tpulaunch.context()        # process index, world size, coordinator, slice, run id, ...
+    tpulaunch.heartbeat()            # progress without printing (for --stall-timeout)
 """
 
-from tpulaunch.host.context import context, get_mesh, get_mesh_plan
+from tpulaunch.host.context import context, get_mesh, get_mesh_plan, heartbeat
 
-__all__ = ["context", "get_mesh", "get_mesh_plan"]
+__all__ = ["context", "get_mesh", "get_mesh_plan", "heartbeat"]
 __version__ = "0.1.0"

@@ -15,6 +15,10 @@ class ExitCode:
     NOT_READY = 4  # slice found but not READY / unhealthy
     CLUSTER = 5  # Ray could not be started, joined, or could not give us the slice in time
     INTERNAL = 70  # a bug in tpulaunch (EX_SOFTWARE)
+    HOST_LOST = 75  # a host was lost (node or agent died) or preempted, beyond --max-preemptions (EX_TEMPFAIL)
+    BOOT_FAILED = 86  # a host could not boot its framework or build the mesh
+    TPU_BUSY = 87  # a leftover process holds a host's TPU
+    TIMEOUT = 124  # --timeout or --stall-timeout ran out (as timeout(1) exits)
     INTERRUPTED = 130  # SIGINT
     TERMINATED = 143  # SIGTERM
 

@@ -94,7 +94,7 @@ def main() -> None:
 
             traceback.print_exc()
         Output().error(e.line())
-        sys.exit(e.exit_code)
+        _leave(e.exit_code)
     except SystemExit:
         raise
     except KeyboardInterrupt:
@@ -120,4 +120,15 @@ def main() -> None:
         )
         sys.exit(ExitCode.INTERNAL)
     else:
-        sys.exit(rc if isinstance(rc, int) else 0)
+        _leave(rc if isinstance(rc, int) else 0)
+
+
+def _leave(code: int) -> None:
+    """Exit; without Ray's exit hooks when Ray cannot be left cleanly (they would wait for a dead head)."""
+    from tpulaunch.cluster import connect
+
+    if "ray" in sys.modules and connect.abandoned():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -18,6 +18,21 @@ from tpulaunch.errors import LaunchError
 from tpulaunch.run import RunSummary
 
 
+FAULT_OPTIONS = {
+    "timeout": typer.Option(None, "--timeout", metavar="SECONDS",
+                            help="Wall clock for the whole run; then every host's stacks are dumped and it ends (exit 124)."),
+    "stall_timeout": typer.Option(None, "--stall-timeout", metavar="SECONDS",
+                                  help="No output (or tpulaunch.heartbeat()) from any host for this long: dump stacks, exit 124."),
+    "max_restarts": typer.Option(0, "--max-restarts", help="Relaunch the whole slice this many times after a host fails."),
+    "max_preemptions": typer.Option(0, "--max-preemptions",
+                                    help="Relaunch this many times after a host is lost or preempted."),
+    "preemption_wait": typer.Option(600.0, "--preemption-wait", metavar="SECONDS",
+                                    help="How long to wait for the slice to be whole again after a lost host."),
+    "preemption_grace": typer.Option(30.0, "--preemption-grace", metavar="SECONDS",
+                                     help="A preempted script's time between SIGTERM and SIGKILL (to save a checkpoint)."),
+}
+
+
 class TerminalSink:
     """Host lines as `[host 2] ...`: colored on a terminal, plain in a pipe, on stderr with --json."""
 
@@ -60,18 +75,29 @@ def report(out: Output, summary: RunSummary, sink: TerminalSink | None = None) -
     if out.json_mode:
         out.json(summary.to_dict())
         return
+    for a in summary.attempts[:-1]:
+        f = a["first_failure"] or {}
+        out.info(f"attempt {a['index']}: {a['outcome']}: host {f.get('process_index')} {f.get('reason')};"
+                 f" logs in {a['log_dir']}")
     for h in summary.hosts:
-        note = " (stopped by tpulaunch)" if h.stopped_by_tpulaunch else ""
-        out.info(f"host {h.process_index} (slice {h.slice_index} worker {h.worker_id}): exit {h.exit_code}"
+        note = " (stopped by tpulaunch)" if h.stopped_by_tpulaunch and not h.lost else ""
+        out.info(f"host {h.process_index} (slice {h.slice_index} worker {h.worker_id}): {h.reason or 'did not start'}"
                  f" in {h.wall_s:.1f} s{note}")
-    if summary.interrupted:
-        out.error(f"run {summary.run_id} interrupted ({summary.interrupted}); logs in {summary.log_dir}")
+    where = f"logs in {summary.log_dir}"
+    if summary.outcome == "interrupted":
+        out.error(f"run {summary.run_id} interrupted ({summary.interrupted}); {where}")
+    elif summary.outcome in ("timeout", "stalled"):
+        out.error(f"{summary.note}; exit {summary.exit_code}")
     elif summary.first_failure:
         f = summary.first_failure
-        out.error(f"host {f['process_index']} (slice {f['slice_index']} worker {f['worker_id']}) failed with exit code"
-                  f" {f['exit_code']}; its log: {f['log']}")
+        tail = f"; {summary.note}" if summary.note else ""
+        out.error(f"host {f['process_index']} (slice {f['slice_index']} worker {f['worker_id']}) {f['reason']}"
+                  f"; its log: {f['log']}{tail}; exit {summary.exit_code}")
+    elif not summary.attempts:
+        out.error(f"run {summary.run_id} ended before any host started; {where}")
     else:
-        out.info(f"run {summary.run_id}: all {len(summary.hosts)} host(s) exited 0; logs in {summary.log_dir}")
+        again = f" after {len(summary.attempts) - 1} relaunch(es)" if len(summary.attempts) > 1 else ""
+        out.info(f"run {summary.run_id}: all {len(summary.hosts)} host(s) exited 0{again}; {where}")
 
 
 def print_plan(out: Output, prep: run.Prepared) -> None:
@@ -117,20 +143,27 @@ def run_cmd(
     ),
     no_dist: bool = typer.Option(False, "--no-dist", help="Do not start the torch.distributed (gloo) process group."),
     hosts: Optional[str] = typer.Option(None, "--hosts", help="Hosts whose output reaches the terminal: all (default), 0, 0,2."),
-    log_dir: str = typer.Option("runs", "--log-dir", help="Where runs/<run-id>/host-<i>.log and summary.json go."),
+    log_dir: str = typer.Option("runs", "--log-dir", help="Where <run-id>/attempt-<k>/host-<i>.log, ray.log and summary.json go."),
     workdir: str = typer.Option(".", "--workdir", help="Directory shipped to every host; the script runs there."),
     schedule_timeout: float = typer.Option(120.0, "--schedule-timeout", help="Seconds to wait for Ray to give us the whole slice."),
     max_upload_mb: float = typer.Option(100.0, "--max-upload-mb", help="Refuse to ship a working directory larger than this."),
     kill_stale: bool = typer.Option(
         False, "--kill-stale", help="On TPU hosts, kill leftover processes holding the chips (and a stale libtpu lockfile)."
     ),
+    timeout: Optional[float] = FAULT_OPTIONS["timeout"],
+    stall_timeout: Optional[float] = FAULT_OPTIONS["stall_timeout"],
+    max_restarts: int = FAULT_OPTIONS["max_restarts"],
+    max_preemptions: int = FAULT_OPTIONS["max_preemptions"],
+    preemption_wait: float = FAULT_OPTIONS["preemption_wait"],
+    preemption_grace: float = FAULT_OPTIONS["preemption_grace"],
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, env, mesh) and start nothing."),
     json_out: bool = JSON_OPT,
 ) -> None:
     """Run SCRIPT under SPMD on every host of a slice; emulate the slice here when no TPU is in sight.
 
     Example: `tpulaunch run train.py --topology 2x8 -- --steps 100`. Exit code: 0 when every host
-    exits 0, else the first failing host's code (130/143 when interrupted).
+    exits 0, else the first failing host's code; 75 a host lost or preempted, 124 a timeout,
+    130/143 interrupted (README: exit codes).
     """
     out = Output(json_mode=json_out)
     req = run.LaunchRequest(
@@ -138,7 +171,9 @@ def run_cmd(
         chips_per_host=chips_per_host, tpu=tpu, queued_resource=queued_resource, zone=zone, project=project,
         force=force, num_slices=num_slices, mesh=mesh, dcn=dcn, framework=framework, env=list(env or []),
         kill_stale=kill_stale, address=address, distributed=not no_dist, log_dir=log_dir, workdir=workdir,
-        schedule_timeout=schedule_timeout, max_upload_mb=max_upload_mb,
+        schedule_timeout=schedule_timeout, max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout,
+        max_restarts=max_restarts, max_preemptions=max_preemptions, preemption_wait=preemption_wait,
+        preemption_grace=preemption_grace,
     )
     raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run))
 
@@ -161,6 +196,6 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     if not req.command:
         out.info(f"framework: {plan.framework} ({prep.framework_reason})")
     sink = TerminalSink(out, show)
-    summary = run.launch(prep, sink)
+    summary = run.launch(prep, sink, quiet_ray=True)
     report(out, summary, sink)
     return summary.exit_code

@@ -75,3 +75,32 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1][:1] not in ("Z", "X")
     except OSError:
         return False
+
+
+def run_pids(run_id: str) -> list[int]:
+    """Host processes of one run on this machine (their environment holds its TPULAUNCH_RUN_ID)."""
+    needle = f"TPULAUNCH_RUN_ID={run_id}".encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read() and _alive(int(entry)):
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
+def stop_run_processes(run_id: str, grace_s: float = 3.0) -> int:
+    """SIGTERM, then SIGKILL after `grace_s`, the host processes of a run that Ray can no longer stop."""
+    pids = run_pids(run_id)
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    for pid in run_pids(run_id):
+        _signal(pid, signal.SIGKILL)
+    return len(pids)

@@ -16,11 +16,11 @@ import traceback
 
 from tpulaunch.host import context as ctx_mod
 from tpulaunch.host import frameworks
-from tpulaunch.errors import TpulaunchError
+from tpulaunch.errors import ExitCode, TpulaunchError
 from tpulaunch.host.agent import PY_STDIO_ENV
 from tpulaunch.plan.launch import HostState
 
-EXIT_BOOT_FAILED = 86  # the host could not start the framework or build the mesh
+EXIT_BOOT_FAILED = ExitCode.BOOT_FAILED  # the host could not start the framework or build the mesh
 
 
 def _context(state: HostState) -> ctx_mod.RunContext:
@@ -39,6 +39,7 @@ def _context(state: HostState) -> ctx_mod.RunContext:
         emulated=state.emulated,
         log_dir=state.log_dir,
         mesh_plan=state.mesh,
+        restart_count=state.restart_count,
     )
 
 
@@ -85,6 +86,7 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         return EXIT_BOOT_FAILED
     ctx_mod._install(_context(state), mesh)
+    ctx_mod.heartbeat()  # booted: a sign of life for --stall-timeout before the script prints
     script = os.path.abspath(state.script)
     sys.argv = [script, *state.args]
     sys.path.insert(0, os.path.dirname(script))

@@ -1,4 +1,4 @@
-"""What a launched script sees: `tpulaunch.get_mesh()` and `tpulaunch.context()`.
+"""What a launched script sees: `tpulaunch.get_mesh()`, `tpulaunch.context()`, `tpulaunch.heartbeat()`.
 
 The host bootstrap (`tpulaunch/bootstrap.py`) installs these before the user's script runs.
 Outside a launch they raise a clear error instead of returning something half-right.
@@ -6,6 +6,7 @@ Outside a launch they raise a clear error instead of returning something half-ri
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ class RunContext:
     emulated: bool
     log_dir: str
     mesh_plan: MeshPlan
+    restart_count: int = 0  # 0 on the first attempt; resume from your checkpoint when > 0
 
     @property
     def is_coordinator(self) -> bool:
@@ -49,6 +51,7 @@ class RunContext:
 
 
 _STATE: dict[str, Any] = {"ctx": None, "mesh": None}
+HEARTBEAT_ENV = "TPULAUNCH_HEARTBEAT_FILE"  # the agent watches this file's mtime
 
 _OUTSIDE = (
     "not running under tpulaunch",
@@ -79,3 +82,16 @@ def get_mesh() -> Any:
 def get_mesh_plan() -> MeshPlan:
     """The pure MeshPlan the driver planned (device placement, sharding strings)."""
     return context().mesh_plan
+
+
+def heartbeat() -> None:
+    """Say "this host is making progress" without printing a line (`--stall-timeout` counts it).
+
+    Cheap (one `utime`), safe to call every step, and a no-op outside a launch.
+    """
+    path = os.environ.get(HEARTBEAT_ENV)
+    if path:
+        try:
+            os.utime(path)
+        except OSError:
+            pass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import re
 import secrets
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tpulaunch.errors import LaunchError
 from tpulaunch.plan.mesh import MeshPlan
@@ -67,10 +67,29 @@ class LaunchPlan:
     log_dir: str
     workdir: str
     command: tuple[str, ...] = ()  # set for `tpulaunch exec`: run this instead of a script
+    attempt: int = 0  # 0, then 1, 2, ... when the whole slice is restarted
 
     @property
     def topology(self) -> Topology:
         return self.mesh.topology
+
+    def for_attempt(self, attempt: int, *, coordinator_port: int | None = None,
+                    jax_coordinator_port: int | None = None, emulation_port: int | None = None) -> "LaunchPlan":
+        """The plan of restart number `attempt`: a new process group (new ports, if given) and
+        `TPULAUNCH_RESTART_COUNT`, everything else as planned. Pure."""
+        host0 = self.coordinator_address.rsplit(":", 1)[0]
+        coordinator = f"{host0}:{coordinator_port}" if coordinator_port else self.coordinator_address
+        hosts = []
+        for h in self.hosts:
+            env = dict(h.env, TPULAUNCH_RESTART_COUNT=str(attempt), TPULAUNCH_COORDINATOR_ADDRESS=coordinator)
+            if coordinator_port:
+                env["MASTER_PORT"] = str(coordinator_port)
+            if jax_coordinator_port and "JAX_COORDINATOR_ADDRESS" in env:
+                env["JAX_COORDINATOR_ADDRESS"] = f"{host0}:{jax_coordinator_port}"
+            if emulation_port and "TPULAUNCH_EMULATION_PORT" in env:
+                env["TPULAUNCH_EMULATION_PORT"] = str(emulation_port)
+            hosts.append(replace(h, env=env))
+        return replace(self, hosts=tuple(hosts), coordinator_address=coordinator, attempt=attempt)
 
     def to_dict(self) -> dict:
         return {
@@ -85,6 +104,7 @@ class LaunchPlan:
             "coordinator_address": self.coordinator_address,
             "log_dir": self.log_dir,
             "workdir": self.workdir,
+            "attempt": self.attempt,
             "topology": self.topology.to_dict(with_hosts=False),
             "num_slices": self.mesh.num_slices,
             "slices": [s.to_dict() for s in self.slices],
@@ -116,6 +136,7 @@ class HostState:
     mesh: MeshPlan
     command: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
+    restart_count: int = 0
 
     @staticmethod
     def for_host(plan: LaunchPlan, host: HostLaunch) -> "HostState":
@@ -138,6 +159,7 @@ class HostState:
             args=plan.args,
             mesh=plan.mesh,
             command=plan.command,
+            restart_count=plan.attempt,
         )
 
 
@@ -194,6 +216,7 @@ def build_plan(
                 "TPULAUNCH_NUM_PROCESSES": str(n_proc),
                 "TPULAUNCH_COORDINATOR_ADDRESS": coordinator,
                 "TPULAUNCH_EMULATED": "1" if emulated else "0",
+                "TPULAUNCH_RESTART_COUNT": "0",
                 "TPULAUNCH_FRAMEWORK": framework,
                 # torch.distributed (gloo) and anything reading the usual names
                 "MASTER_ADDR": first,

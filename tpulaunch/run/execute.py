@@ -1,35 +1,38 @@
-"""Execute a LaunchPlan on the Ray cluster we are connected to: gang-schedule the host agents, stream, fail fast, summarize.
-
-`execute(plan, ...)` takes nothing but the plan and where Ray is. Steps:
+"""Execute one attempt of a LaunchPlan on the Ray cluster this process is connected to.
 
 1. Reserve one placement-group bundle per host of every slice, all or nothing; bundle `i` carries
    the label selector `ray.io/tpu-slice-name=<slice>, ray.io/tpu-worker-id=<worker>`, so the
    agent of process `i` lands on TPU worker `i` (physical order), never wherever Ray had room.
 2. Start one HostAgent per bundle, check its node labels, hand it its pickled HostState.
-3. Poll every agent for output and exit codes; stream lines to the sink and to per-host logs.
-   The first non-zero exit stops every other host within seconds (fail fast).
-4. On SIGINT/SIGTERM: stop every host, flush logs, and report 130/143.
-5. Always: kill agents, remove the placement group, write `summary.json`.
+3. Supervise: one long-poll in flight per agent, so a dead agent or node is known as that host's
+   death (`node lost`, `agent died`), never mistaken for its peers'. Lines stream to the sink and
+   to `attempt-<k>/host-<i>.log`. The first failure (a non-zero exit, a lost host, a preemption)
+   stops every other host (fail fast). `--timeout` and `--stall-timeout` dump every host's Python
+   stacks (py-spy) into its log directory, then stop all. A signal stops all.
+4. Always: kill the agents and remove the placement group. Returns the `Attempt`; which host
+   failed first is decided once every host is over (see `summary.first_failure`).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import threading
+import re
+import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
 from tpulaunch.discover.ray_labels import SLICE as LABEL_SLICE
 from tpulaunch.discover.ray_labels import WORKER as LABEL_WORKER
-from tpulaunch.errors import ClusterError, ExitCode
+from tpulaunch.errors import ClusterError
 from tpulaunch.host.agent import HostAgent, dumps_state
 from tpulaunch.plan.launch import HostState, LaunchPlan
+from tpulaunch.run import summary as S
 
-POLL_S = 0.1
+POLL_WAIT_S = 1.0  # how long an agent holds a poll open when its host is quiet
+LOST_AFTER_S = 30.0  # an agent that answers no poll for this long is lost
+HEAD_PROBE_EVERY_S = 2.0
+HEAD_LOST_AFTER = 3  # consecutive refused probes of the Ray head (GCS)
 
 
 class Sink(Protocol):
@@ -40,57 +43,21 @@ class Sink(Protocol):
     def progress(self, message: str) -> None: ...
 
 
-@dataclass
-class HostResult:
-    process_index: int
-    slice_index: int
-    worker_id: int
-    exit_code: int | None = None
-    wall_s: float = 0.0
-    node_ip: str | None = None
-    log: str = ""
-    stopped_by_tpulaunch: bool = False
+class Interrupts(Protocol):
+    received: int | None  # the signal received (SIGINT/SIGTERM), if any
 
 
 @dataclass
-class RunSummary:
-    run_id: str
-    exit_code: int
-    emulated: bool
-    slices: list[dict]
-    mesh: dict
-    hosts: list[HostResult]
-    first_failure: dict | None
-    log_dir: str
-    wall_s: float
-    timings: dict = field(default_factory=dict)
-    interrupted: str | None = None
+class Limits:
+    """How long things may take, and what to do on the way out."""
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["schema"] = "tpulaunch.summary/v1"
-        return d
-
-
-class _Signals:
-    """Turn SIGINT/SIGTERM into a flag the poll loop checks (restored on exit)."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._old: dict[int, object] = {}
-
-    def __enter__(self) -> "_Signals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        self.received = signum
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)  # type: ignore[arg-type]
+    schedule_timeout_s: float = 120.0
+    grace_s: float = 3.0  # SIGTERM -> SIGKILL when tpulaunch stops hosts
+    preemption_grace_s: float = 30.0  # a preempted script's time to save its checkpoint
+    deadline: float | None = None  # time.monotonic() by which the run must end (--timeout)
+    stall_timeout_s: float | None = None  # no output or heartbeat from any host for this long
+    kill_stale: bool = False
+    watch_preemption: bool = False  # ask the metadata server for preemption notices
 
 
 def _diagnose(plan: LaunchPlan) -> str:
@@ -106,180 +73,385 @@ def _diagnose(plan: LaunchPlan) -> str:
     return "every host is in the cluster but some are busy (their TPU resources are held by another run)"
 
 
-def execute(
-    plan: LaunchPlan,
-    sink: Sink,
-    *,
-    schedule_timeout_s: float = 120.0,
-    grace_s: float = 3.0,
-    kill_stale: bool = False,
-) -> RunSummary:
-    """Run the plan on the Ray cluster this process is connected to (see module docstring)."""
+def attempt_dir(plan: LaunchPlan) -> Path:
+    return Path(plan.log_dir) / f"attempt-{plan.attempt}"
+
+
+def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts,
+            gcs_address: str | None = None) -> S.Attempt:
+    """Run one attempt of the plan (see module docstring)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     t0 = time.time()
-    topo = plan.topology
-    log_dir = Path(plan.log_dir)
+    log_dir = attempt_dir(plan)
     log_dir.mkdir(parents=True, exist_ok=True)
-    results = [HostResult(h.process_index, h.slice_index, h.worker_id,
-                          log=str(log_dir / f"host-{h.process_index}.log")) for h in plan.hosts]
+    hosts = [S.HostResult(h.process_index, h.slice_index, h.worker_id, log=str(log_dir / f"host-{h.process_index}.log"))
+             for h in plan.hosts]
     logs = {h.process_index: open(log_dir / f"host-{h.process_index}.log", "a", buffering=1) for h in plan.hosts}
-    timings: dict[str, float] = {}
-    agents: list = []
+    run = _Supervision(plan, sink, limits, interrupts, hosts, logs, gcs_address)
     pg = None
-    interrupted: int | None = None
-    first_failure: HostResult | None = None
     try:
-        with _Signals() as sigs:
-            bundles = [{"TPU": float(topo.chips_per_host)} for _ in plan.hosts]
-            selectors = [{LABEL_SLICE: h.slice_name, LABEL_WORKER: str(h.worker_id)} for h in plan.hosts]
-            sink.progress(f"reserving {len(bundles)} host(s) of {len(plan.slices)} slice(s) (all or nothing)")
-            pg = placement_group(bundles, strategy="STRICT_SPREAD", bundle_label_selector=selectors,
-                                 name=f"tpulaunch-{plan.run_id}")
-            ready, _ = ray.wait([pg.ready()], timeout=schedule_timeout_s)
-            if not ready:
+        topo = plan.topology
+        bundles = [{"TPU": float(topo.chips_per_host)} for _ in plan.hosts]
+        selectors = [{LABEL_SLICE: h.slice_name, LABEL_WORKER: str(h.worker_id)} for h in plan.hosts]
+        sink.progress(f"reserving {len(bundles)} host(s) of {len(plan.slices)} slice(s) (all or nothing)")
+        pg = placement_group(bundles, strategy="STRICT_SPREAD", bundle_label_selector=selectors,
+                             name=f"tpulaunch-{plan.run_id}-{plan.attempt}")
+        if not run.wait_ready(pg.ready(), limits.schedule_timeout_s):
+            if run.interrupts.received is None:
                 raise ClusterError(
-                    f"Ray could not give this run its {len(bundles)} host(s) within {schedule_timeout_s:.0f} s: {_diagnose(plan)}",
+                    f"Ray could not give this run its {len(bundles)} host(s) within {limits.schedule_timeout_s:.0f} s:"
+                    f" {_diagnose(plan)}",
                     "check `tpulaunch cluster status`, or raise --schedule-timeout",
                 )
-            timings["schedule_s"] = time.time() - t0
-            actor_cls = ray.remote(HostAgent)
-            opts: dict = {"num_cpus": 0, "max_concurrency": 4, "max_restarts": 0}
-            for i, h in enumerate(plan.hosts):
-                agents.append(actor_cls.options(
-                    resources={"TPU": float(topo.chips_per_host)},
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                    name=None, **opts,
-                ).remote(h.process_index))
-            sink.progress("starting host agents")
-            try:
-                infos = ray.get([a.info.remote() for a in agents], timeout=schedule_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise ClusterError(
-                    f"the host agents did not start within {schedule_timeout_s:.0f} s",
-                    "Ray could not start their worker processes; see the raylet logs of the cluster",
-                ) from None
-            for h, info, r in zip(plan.hosts, infos, results):
-                r.node_ip = info["node_ip"]
-                got = (info["labels"].get(LABEL_SLICE), info["labels"].get(LABEL_WORKER))
-                if got != (h.slice_name, str(h.worker_id)):
-                    raise ClusterError(
-                        f"host agent {h.process_index} landed on {got}, not ({h.slice_name}, {h.worker_id})",
-                        "the cluster's TPU labels are inconsistent; restart it",
-                    )
-            timings["agents_s"] = time.time() - t0
-            cwd = plan.workdir if plan.emulated else None  # emulated hosts run in place
-            ray.get([a.start.remote(dumps_state(HostState.for_host(plan, h)), h.env, list(plan.command) or None,
-                                    not plan.emulated, kill_stale, cwd)
-                     for a, h in zip(agents, plan.hosts)])
-            sink.progress(f"running on {len(agents)} host(s)")
-            first_failure, interrupted = _supervise(plan, agents, results, logs, sink, sigs, grace_s)
+        else:
+            run.timings["schedule_s"] = time.time() - t0
+            run.start_agents(pg)
+            run.timings["agents_s"] = time.time() - t0
+            if run.interrupts.received is None:
+                sink.progress(f"running on {len(plan.hosts)} host(s)" + (f", attempt {plan.attempt}" if plan.attempt else ""))
+                run.supervise()
     except KeyboardInterrupt:
-        interrupted = signal.SIGINT
-        _stop_all(agents, grace_s)
+        import signal
+
+        run.interrupts.received = signal.SIGINT
+        run.stop_all("interrupted")
     finally:
         for f in logs.values():
             f.close()
-        for a in agents:
+        if not run.head_lost:  # with the head gone every Ray call would wait for it, then kill us
+            for a in run.agents:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            if pg is not None:
+                try:
+                    remove_placement_group(pg)
+                except Exception:  # noqa: BLE001
+                    pass
+    return run.result(time.time() - t0)
+
+
+class _Supervision:
+    """The state of one attempt while it runs."""
+
+    def __init__(self, plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts,
+                 hosts: list[S.HostResult], logs: dict, gcs_address: str | None) -> None:
+        self.plan, self.sink, self.limits, self.interrupts = plan, sink, limits, interrupts
+        self.hosts, self.logs = hosts, logs
+        self.agents: list = []
+        self.raylet_of: dict[int, str] = {}  # host -> its node's raylet host:port
+        self.timings: dict[str, float] = {}
+        self.outcome: str | None = None  # set by a timeout, a stall, a signal or a lost head
+        self.note: str | None = None
+        self.failed_fast = False
+        self.pending: set[int] = set()
+        self.gcs = gcs_address
+        self.head_lost = False
+        self.t0 = time.time()
+        self.head_refusals = 0
+        self.next_head_probe = 0.0
+
+    # -- starting -----------------------------------------------------------------------------
+
+    def wait_ready(self, ref: object, timeout_s: float) -> bool:
+        """Wait for a Ray object, a signal or the deadline, whichever comes first."""
+        import ray
+
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.interrupts.received is not None:
+                return False
+            ready, _ = ray.wait([ref], timeout=min(0.5, max(0.0, end - time.monotonic())))
+            if ready:
+                return True
+        return False
+
+    def start_agents(self, pg: object) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        plan, topo = self.plan, self.plan.topology
+        actor_cls = ray.remote(HostAgent)
+        for i, h in enumerate(plan.hosts):
+            self.agents.append(actor_cls.options(
+                resources={"TPU": float(topo.chips_per_host)}, num_cpus=0, max_concurrency=4, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote(h.process_index))
+        self.sink.progress("starting host agents")
+        infos_ref = [a.info.remote() for a in self.agents]
+        if not self.wait_ready_all(infos_ref, self.limits.schedule_timeout_s):
+            if self.interrupts.received is None:
+                raise ClusterError(
+                    f"the host agents did not start within {self.limits.schedule_timeout_s:.0f} s",
+                    "Ray could not start their worker processes; see the raylet logs of the cluster",
+                )
+            return
+        raylets = {n["NodeID"]: f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}" for n in ray.nodes() if n.get("Alive")}
+        for i, (h, info, r) in enumerate(zip(plan.hosts, ray.get(infos_ref), self.hosts)):
+            r.node_ip = info["node_ip"]
+            self.raylet_of[i] = raylets.get(info["node_id"], "")
+            got = (info["labels"].get(LABEL_SLICE), info["labels"].get(LABEL_WORKER))
+            if got != (h.slice_name, str(h.worker_id)):
+                raise ClusterError(
+                    f"host agent {h.process_index} landed on {got}, not ({h.slice_name}, {h.worker_id})",
+                    "the cluster's TPU labels are inconsistent; restart it",
+                )
+        cwd = plan.workdir if plan.emulated else None  # emulated hosts run in place
+        ray.get([a.start.remote(dumps_state(HostState.for_host(plan, h)), h.env, list(plan.command) or None,
+                                not plan.emulated, self.limits.kill_stale, cwd, self.limits.watch_preemption,
+                                self.limits.preemption_grace_s)
+                 for a, h in zip(self.agents, plan.hosts)])
+        self.pending = set(range(len(self.agents)))
+        now = time.time()
+        for r in self.hosts:
+            r.last_seen = now
+
+    def wait_ready_all(self, refs: list, timeout_s: float) -> bool:
+        import ray
+
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and self.interrupts.received is None:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(0.5, max(0.0, end - time.monotonic())))
+            if len(ready) == len(refs):
+                return True
+        return False
+
+    # -- supervising --------------------------------------------------------------------------
+
+    def supervise(self) -> None:
+        import ray
+
+        outstanding: dict[object, int] = {}
+        activity = {i: time.monotonic() for i in self.pending}
+        beat = {i: 0.0 for i in self.pending}
+        unanswered_since = {i: time.monotonic() for i in self.pending}
+        while self.pending:
+            if self._check_stop_conditions(activity):
+                break
+            for i in self.pending - set(outstanding.values()):
+                outstanding[self.agents[i].poll.remote(5000, POLL_WAIT_S)] = i
+            ready, _ = ray.wait(list(outstanding), num_returns=1, timeout=0.5)
+            if ready:
+                more, _ = ray.wait([r for r in outstanding if r not in ready], num_returns=len(outstanding) - len(ready),
+                                   timeout=0)
+                ready += more
+            now = time.monotonic()
+            for ref in ready:
+                i = outstanding.pop(ref)
+                try:
+                    got = ray.get(ref)
+                except ray.exceptions.ActorUnavailableError:
+                    if now - unanswered_since[i] > LOST_AFTER_S:
+                        self._lost(i, f"agent unreachable for {LOST_AFTER_S:.0f} s")
+                    continue
+                except ray.exceptions.RayActorError as e:
+                    self._lost(i, self._why_dead(i, e))
+                    continue
+                unanswered_since[i] = now
+                self.hosts[i].last_seen = time.time()
+                if got["lines"] or got["activity"] > beat[i]:
+                    activity[i] = now
+                beat[i] = got["activity"]
+                self._write(i, got["lines"])
+                self.hosts[i].wall_s = got["wall"]
+                if got["preempted"] and not self.hosts[i].preempted:
+                    self.hosts[i].preempted = got["preempted"]
+                    self._fail_fast(i, f"host {self.plan.hosts[i].process_index} is preempted ({got['preempted']})",
+                                    grace=self.limits.preemption_grace_s)
+                if got["code"] is not None:
+                    self._ended(i, got["code"], got["ended"])
+
+    def _check_stop_conditions(self, activity: dict[int, float]) -> bool:
+        """Signals, --timeout, --stall-timeout and a lost Ray head end the attempt for every host."""
+        if self.interrupts.received is not None:
+            import signal
+
+            name = signal.Signals(self.interrupts.received).name
+            self.sink.progress(f"received {name}: stopping every host")
+            self.outcome = S.INTERRUPTED
+            self.stop_all("interrupted")
+            return True
+        now = time.monotonic()
+        if self.limits.deadline is not None and now >= self.limits.deadline:
+            self._dump_and_stop(S.TIMEOUT, "the run reached its --timeout")
+            return True
+        stall = self.limits.stall_timeout_s
+        if stall and self.pending and all(now - activity[i] >= stall for i in self.pending):
+            self._dump_and_stop(S.STALLED, f"no output or heartbeat from any host for {stall:g} s")
+            return True
+        if self.gcs and now >= self.next_head_probe:
+            self.next_head_probe = now + HEAD_PROBE_EVERY_S
+            self.head_refusals = 0 if _reachable(self.gcs) else self.head_refusals + 1
+            if self.head_refusals >= HEAD_LOST_AFTER:
+                self._head_lost()
+                return True
+        return False
+
+    def _write(self, i: int, lines: list) -> None:
+        p = self.plan.hosts[i].process_index
+        if lines and "first_line_s" not in self.timings:
+            self.timings["first_line_s"] = time.time() - self.t0
+        for stream, text in lines:
+            self.logs[p].write(text + "\n")
+            self.sink.host_line(p, stream, text)
+
+    def _ended(self, i: int, code: int, ended: float | None) -> None:
+        r = self.hosts[i]
+        r.exit_code, r.ended_at = code, ended or time.time()
+        if r.reason is None:
+            r.reason = S.exit_reason(code) if not r.preempted else f"preempted: {r.preempted}, then {S.exit_reason(code)}"
+        self.pending.discard(i)
+        if code != 0 and not r.stopped_by_tpulaunch:
+            self._fail_fast(i, f"host {self.plan.hosts[i].process_index} {S.exit_reason(code)}")
+
+    def _lost(self, i: int, why: str) -> None:
+        r = self.hosts[i]
+        r.lost, r.reason = True, why
+        self.pending.discard(i)
+        self._fail_fast(i, f"host {self.plan.hosts[i].process_index} lost ({why})")
+
+    def _why_dead(self, i: int, err: Exception) -> str:
+        """`node lost` when the agent's Ray node is gone (its raylet no longer answers), else
+        `agent died`. Ray's own error may not say yet: a killed raylet takes its workers with it
+        before the head has marked the node dead."""
+        if getattr(err, "preempted", False):
+            return "node preempted"
+        if "node has died" in str(err).lower():
+            return "node lost"
+        raylet = self.raylet_of.get(i)
+        if raylet and not _reachable(raylet):
+            return "node lost"
+        return "agent died"
+
+    def _fail_fast(self, i: int, what: str, grace: float | None = None) -> None:
+        if self.failed_fast:
+            return
+        self.failed_fast = True
+        if self.pending:
+            self.sink.progress(f"{what}: stopping the other hosts")
+            self.stop_all("stopped by tpulaunch", grace=grace, wait=False)
+
+    # -- stopping -----------------------------------------------------------------------------
+
+    def stop_all(self, why: str, grace: float | None = None, wait: bool = True) -> None:
+        """SIGTERM every pending host (SIGKILL after the grace period); drain them if `wait`."""
+        import ray
+
+        grace = self.limits.grace_s if grace is None else grace
+        refs = []
+        for i in sorted(self.pending):
+            self.hosts[i].stopped_by_tpulaunch = True
+            refs.append(self.agents[i].terminate.remote(grace))
+        if wait and refs:
             try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        if pg is not None:
-            try:
-                remove_placement_group(pg)
+                ray.wait(refs, num_returns=len(refs), timeout=grace + 15)
             except Exception:  # noqa: BLE001
                 pass
-    if interrupted is not None:
-        code = ExitCode.INTERRUPTED if interrupted == signal.SIGINT else ExitCode.TERMINATED
-    elif first_failure is not None:
-        code = first_failure.exit_code or 1
-    else:
-        code = 0
-    summary = RunSummary(
-        run_id=plan.run_id, exit_code=code, emulated=plan.emulated,
-        slices=[s.to_dict() for s in plan.slices], mesh=plan.mesh.to_dict(devices=False),
-        hosts=results, first_failure=asdict(first_failure) if first_failure else None,
-        log_dir=str(log_dir), wall_s=time.time() - t0, timings=timings,
-        interrupted=signal.Signals(interrupted).name if interrupted else None,
-    )
-    (log_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
-    return summary
+            self._drain()
+
+    def _drain(self) -> None:
+        """Collect what stopped hosts printed last and their exit codes (bounded)."""
+        import ray
+
+        for i in sorted(self.pending):
+            try:
+                got = ray.get(self.agents[i].poll.remote(100000, 0.0), timeout=10)
+            except Exception:  # noqa: BLE001 - lost with its node
+                continue
+            self._write(i, got["lines"])
+            self.hosts[i].wall_s = got["wall"]
+            if got["code"] is not None:
+                r = self.hosts[i]
+                r.exit_code, r.ended_at, r.reason = got["code"], got["ended"], S.exit_reason(got["code"])
+        self.pending.clear()
+
+    def _dump_and_stop(self, outcome: str, why: str) -> None:
+        """Every pending host's Python stacks into its log directory, then stop them all."""
+        import ray
+
+        self.outcome = outcome
+        self.sink.progress(f"{why}: dumping every host's Python stacks (py-spy)")
+        order = sorted(self.pending)
+        dumps = []
+        for i in order:
+            try:
+                dumps.append(ray.get(self.agents[i].dump_stacks.remote(), timeout=40))
+            except Exception as e:  # noqa: BLE001
+                dumps.append(f"(no dump: {e})")
+        where: dict[str, list[int]] = {}
+        for i, text in zip(order, dumps):
+            p = self.plan.hosts[i].process_index
+            path = attempt_dir(self.plan) / f"host-{p}.stacks.txt"
+            path.write_text(text)
+            self.hosts[i].stacks = str(path)
+            where.setdefault(innermost_frame(text), []).append(p)
+        parts = "; ".join(f"host{'s' if len(ps) > 1 else ''} {','.join(map(str, ps))}: in {frame}"
+                          for frame, ps in where.items())
+        self.note = f"{why}; stacks in {attempt_dir(self.plan)}/host-<i>.stacks.txt ({parts})"
+        self.stop_all("timed out")
+
+    def _head_lost(self) -> None:
+        """The Ray head (GCS) is gone: no Ray call can stop the hosts, so stop local ones directly."""
+        from tpulaunch.cluster.connect import forget_cluster
+
+        self.outcome = S.LOST
+        self.head_lost = True
+        forget_cluster()
+        head = next((i for i in self.pending if self.plan.hosts[i].slice_index == 0 and self.plan.hosts[i].worker_id == 0),
+                    min(self.pending))
+        self.sink.progress(f"the Ray head at {self.gcs} stopped answering: head node lost")
+        r = self.hosts[head]
+        r.lost, r.reason = True, "head node lost (the Ray head stopped answering)"
+        for i in self.pending - {head}:
+            self.hosts[i].stopped_by_tpulaunch = True
+            self.hosts[i].reason = "stopped by tpulaunch (the Ray head was lost)"
+        if self.plan.emulated:
+            from tpulaunch.cluster.processes import stop_run_processes
+
+            stop_run_processes(self.plan.run_id, self.limits.grace_s)
+        self.pending.clear()
+
+    # -- the result ----------------------------------------------------------------------------
+
+    def result(self, wall_s: float) -> S.Attempt:
+        first = S.first_failure(self.hosts)
+        outcome = self.outcome or S.outcome_of(first)
+        if outcome == S.LOST and first is not None and not first.lost:
+            first = next((h for h in self.hosts if h.lost), first)
+        signum = self.interrupts.received
+        code = S.exit_code_for(outcome, first, signum)
+        import signal as _signal
+
+        return S.Attempt(
+            index=self.plan.attempt, outcome=outcome, exit_code=code, hosts=self.hosts,
+            log_dir=str(attempt_dir(self.plan)), first_failure=asdict(first) if first else None,
+            note=self.note, wall_s=wall_s, timings=self.timings,
+            signal=_signal.Signals(signum).name if outcome == S.INTERRUPTED and signum else None,
+        )
 
 
-def _supervise(plan, agents, results, logs, sink, sigs, grace_s):  # noqa: ANN001, ANN202 - internal
-    """Poll until every host ended; fail fast on the first failure. Returns (first_failure, signal)."""
-    import ray
-
-    pending = set(range(len(agents)))
-    first_failure = None
-    while pending:
-        if sigs.received is not None:
-            sink.progress(f"received {signal.Signals(sigs.received).name}: stopping every host")
-            _stop_all([agents[i] for i in pending], grace_s)
-            _drain(agents, pending, results, logs, sink)
-            return first_failure, sigs.received
-        idx = sorted(pending)
-        try:
-            polled = ray.get([agents[i].poll.remote() for i in idx], timeout=60)
-        except ray.exceptions.RayActorError as e:
-            # The actor (its node, its process) died: that host failed.
-            for i in idx:
-                results[i].exit_code = results[i].exit_code if results[i].exit_code is not None else 1
-            sink.progress(f"a host agent died: {str(e).splitlines()[0]}")
-            first_failure = first_failure or results[idx[0]]
-            break
-        failed_now = []
-        for i, (lines, code, wall, ended) in zip(idx, polled):
-            for stream, text in lines:
-                logs[plan.hosts[i].process_index].write(text + "\n")
-                sink.host_line(plan.hosts[i].process_index, stream, text)
-            results[i].wall_s = wall
-            if code is not None:
-                results[i].exit_code = code
-                pending.discard(i)
-                if code != 0:
-                    failed_now.append((ended or time.time(), i))
-        if failed_now and first_failure is None:
-            # Several hosts can end in one poll (peers of a dead host error out of a collective
-            # within milliseconds): blame the one that ended first, not the first polled.
-            i = min(failed_now)[1]
-            first_failure = results[i]
-            if pending:
-                sink.progress(f"host {plan.hosts[i].process_index} exited {first_failure.exit_code}:"
-                              " stopping the other hosts")
-                for j in pending:
-                    results[j].stopped_by_tpulaunch = True
-                _stop_all([agents[j] for j in pending], grace_s)
-        if pending:
-            time.sleep(POLL_S)
-    return first_failure, None
+_FRAME = re.compile(r"^\s+(\S.*\(.*:\d+\))\s*$")
 
 
-def _stop_all(agents: list, grace_s: float) -> None:
-    import ray
+def innermost_frame(dump: str) -> str:
+    """The innermost frame of the main thread in a `py-spy dump` ("wait_forever (hang.py:5)")."""
+    lines = dump.splitlines()
+    start = next((k for k, line in enumerate(lines) if line.startswith("Thread") and "MainThread" in line), None)
+    for line in lines[(start + 1) if start is not None else 0:]:
+        m = _FRAME.match(line)
+        if m:
+            frame = m.group(1)
+            return re.sub(r"\(([^()]*/)?([^/()]+:\d+)\)$", r"(\2)", frame)
+    return "an unknown place (no Python stack)"
 
-    if not agents:
-        return
+
+def _reachable(address: str, timeout: float = 1.0) -> bool:
+    host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
-        ray.get([a.terminate.remote(grace_s) for a in agents], timeout=grace_s + 15)
-    except Exception:  # noqa: BLE001 - the loop's next poll reports what is left
-        pass
-
-
-def _drain(agents, pending, results, logs, sink) -> None:  # noqa: ANN001 - internal
-    import ray
-
-    for i in sorted(pending):
-        try:
-            lines, code, wall, _ended = ray.get(agents[i].poll.remote(100000), timeout=10)
-        except Exception:  # noqa: BLE001
-            continue
-        for stream, text in lines:
-            logs[results[i].process_index].write(text + "\n")
-            sink.host_line(results[i].process_index, stream, text)
-        results[i].exit_code = code
-        results[i].wall_s = wall
-        results[i].stopped_by_tpulaunch = True
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
