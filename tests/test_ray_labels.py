@@ -71,3 +71,12 @@ def test_no_tpu_hosts_at_all():
     with pytest.raises(ClusterError, match="no TPU hosts"):
         choose(slices_from_nodes([{"NodeID": "x", "Alive": True, "Resources": {}, "Labels": {}}], {}), want=None,
                tpu=None)
+
+
+def test_a_host_that_came_back_is_listed_once():
+    nodes = [node("e", w, "v4-32", "2x2x4") for w in range(4)] + [{**node("e", 2, "v4-32", "2x2x4", alive=False),
+                                                                   "NodeID": "e-2-old"}]
+    (s,) = slices_from_nodes(nodes, {})
+    assert [(w, alive) for w, _, alive, _ in s.workers] == [(0, True), (1, True), (2, True), (3, True)]
+    (gone,) = slices_from_nodes(nodes[:2] + nodes[3:], {})  # not back yet: the dead entry stays
+    assert [(w, alive) for w, _, alive, _ in gone.workers] == [(0, True), (1, True), (2, False), (3, True)]

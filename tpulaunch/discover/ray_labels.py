@@ -58,7 +58,14 @@ def slices_from_nodes(nodes: list[dict], available: dict[str, dict[str, float]])
             (int(labels[WORKER]), n.get("NodeManagerAddress", ""), alive, alive and free < total)
         )
         meta[labels[SLICE]] = (labels.get(POD_TYPE, ""), labels.get(TOPO, ""))
-    return [RaySlice(name, meta[name][0], meta[name][1], tuple(sorted(ws))) for name, ws in sorted(groups.items())]
+    return [RaySlice(name, meta[name][0], meta[name][1], _replaced_dropped(ws)) for name, ws in sorted(groups.items())]
+
+
+def _replaced_dropped(workers: list) -> tuple:
+    """A host whose node died and came back is listed twice by Ray (the dead node stays known):
+    keep the dead entry only while no live node carries that worker id."""
+    alive_ids = {w for w, _, alive, _ in workers if alive}
+    return tuple(sorted(w for w in workers if w[2] or w[0] not in alive_ids))
 
 
 def choose(
