@@ -56,6 +56,27 @@ def write_scripts(directory: Path, scripts: dict[str, str]) -> Path:
     return directory
 
 
+def processes_mentioning(needles: list[str]) -> list[str]:
+    """Live processes whose argv, environment or open files mention any needle.
+
+    A host process that was a spare shows its run only by a file it holds open (its environment
+    predates the run): `tpulaunch-run-<run id>-...`.
+    """
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            state = Path(f"/proc/{entry}/stat").read_text().split(") ")[-1][:1]
+            blob = Path(f"/proc/{entry}/cmdline").read_bytes() + Path(f"/proc/{entry}/environ").read_bytes()
+            blob += b"".join(os.readlink(f"/proc/{entry}/fd/{fd}").encode() for fd in os.listdir(f"/proc/{entry}/fd"))
+        except OSError:
+            continue
+        if state != "Z" and any(n.encode() in blob for n in needles):
+            out.append(f"{entry}: {blob[:160]!r}")
+    return out
+
+
 def last_summary(log_root: Path) -> dict:
     """summary.json of the newest run under a --log-dir."""
     runs = sorted(log_root.iterdir())
@@ -71,7 +92,8 @@ def shared_cluster(tmp_path_factory):
     """
     home = tmp_path_factory.mktemp("tpl-home")
     env = cli_env(TPULAUNCH_HOME=str(home))
-    up = run_cli("cluster", "up", "--topology", "2x8", "--json", env=env, timeout=300)
+    # --dashboard: Ray Train's placement-group cleaner asks the state API the dashboard serves
+    up = run_cli("cluster", "up", "--topology", "2x8", "--dashboard", "--json", env=env, timeout=300)
     assert up.returncode == 0, up.stderr
     yield {"env": env, "info": json.loads(up.stdout), "home": home}
     down = run_cli("cluster", "down", env=env, timeout=120)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, run_cli, write_scripts
+from conftest import cli_env, processes_mentioning, run_cli, write_scripts
 from fakes.metadata_server import FakeMetadataServer
 
 HOSTS = 4
@@ -98,20 +98,12 @@ def _pids_with_env(*needles: str) -> list[int]:
     return out
 
 
-def _processes_mentioning(needles: list[str]) -> list[str]:
-    """Live processes whose argv or environment mentions any needle."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            state = Path(f"/proc/{entry}/stat").read_text().split(") ")[-1][:1]
-            blob = Path(f"/proc/{entry}/cmdline").read_bytes() + Path(f"/proc/{entry}/environ").read_bytes()
-        except OSError:
-            continue
-        if state != "Z" and any(n.encode() in blob for n in needles):
-            out.append(f"{entry}: {blob[:160]!r}")
-    return out
+def _host_pid(run_id: str, index: int) -> int:
+    """The host process of run `run_id` with process index `index` (a spare shows its run by the
+    run-named file it holds open, a fresh process by its environment)."""
+    (pid,) = [int(line.split(":")[0]) for line in processes_mentioning([f"TPULAUNCH_RUN_ID={run_id}", f"tpulaunch-run-{run_id}-"])
+              if f"TPULAUNCH_PROCESS_INDEX={index}\0".encode() in Path(f"/proc/{line.split(':')[0]}/environ").read_bytes()]
+    return pid
 
 
 class Launch:
@@ -179,7 +171,7 @@ def _assert_logs(summary: dict, attempts: int) -> None:
 def _assert_nothing_left(run_id: str, cluster_dirs: list[str] = ()) -> None:
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        left = _processes_mentioning([f"TPULAUNCH_RUN_ID={run_id}", *cluster_dirs])
+        left = processes_mentioning([f"TPULAUNCH_RUN_ID={run_id}", f"tpulaunch-run-{run_id}-", *cluster_dirs])
         if not left:
             return
         time.sleep(0.5)
@@ -215,7 +207,7 @@ def test_host_process_sigkill(shared_cluster, workdir, tmp_path):
     launch = _shared(shared_cluster, workdir, tmp_path, "sleepy.py", "--no-dist")
     launch.wait_for(r"\] ready \d attempt 0", HOSTS)
     run_id = _run_id(tmp_path)
-    (pid,) = _pids_with_env(f"TPULAUNCH_RUN_ID={run_id}", "TPULAUNCH_PROCESS_INDEX=2\0")
+    pid = _host_pid(run_id, 2)
     os.kill(pid, signal.SIGKILL)
     rc, s = launch.finish()
     assert rc == 137
@@ -229,7 +221,7 @@ def test_host_agent_killed_is_a_lost_host(shared_cluster, workdir, tmp_path):
     launch = _shared(shared_cluster, workdir, tmp_path, "sleepy.py", "--no-dist")
     launch.wait_for(r"\] ready \d attempt 0", HOSTS)
     run_id = _run_id(tmp_path)
-    (pid,) = _pids_with_env(f"TPULAUNCH_RUN_ID={run_id}", "TPULAUNCH_PROCESS_INDEX=1\0")
+    pid = _host_pid(run_id, 1)
     agent = int(Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[1])  # its parent: the HostAgent actor
     os.kill(agent, signal.SIGKILL)
     rc, s = launch.finish()
@@ -258,7 +250,7 @@ def test_stall_dumps_every_hosts_stack_and_names_where_it_hangs(shared_cluster, 
 
 @pytest.mark.cluster
 def test_wall_timeout(shared_cluster, workdir, tmp_path):
-    rc, s = _shared(shared_cluster, workdir, tmp_path, "sleepy.py", "--no-dist", "--timeout", "25").finish()
+    rc, s = _shared(shared_cluster, workdir, tmp_path, "sleepy.py", "--no-dist", "--timeout", "15").finish()
     assert rc == 124 and s["outcome"] == "timeout"
     assert "the run reached its --timeout" in s["note"] and "sleepy.py" in s["note"]
     assert all("sleepy.py" in Path(h["stacks"]).read_text() for h in s["hosts"])
@@ -312,7 +304,7 @@ def test_preemption_gives_the_script_its_grace_and_relaunches(shared_cluster, wo
             launch.wait_for("saving checkpoint on SIGTERM", 1)
             md.values["instance/preempted"] = "FALSE"  # the VM is back
         else:
-            (pid,) = _pids_with_env(f"TPULAUNCH_RUN_ID={run_id}", "TPULAUNCH_PROCESS_INDEX=3\0")
+            pid = _host_pid(run_id, 3)
             agent = int(Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[1])
             os.kill(agent, signal.SIGTERM)
         rc, s = launch.finish()
@@ -406,10 +398,15 @@ def _own_cluster_launch(workdir, tmp_path, *flags):
     return launch, cluster_dir
 
 
-@pytest.mark.lifecycle
-def test_node_lost_is_blamed_and_the_slice_relaunched_on_a_restarted_node(workdir, tmp_path):
-    launch, cluster_dir = _own_cluster_launch(workdir, tmp_path, "--max-preemptions", "1", "--preemption-wait", "120")
-    run_id = _run_id(tmp_path / "runs")
+@pytest.mark.cluster
+def test_node_lost_is_blamed_and_the_slice_relaunched_on_a_restarted_node(shared_cluster, workdir, tmp_path):
+    """The raylet of host 2 of the shared cluster dies; tpulaunch starts that host again (the cluster
+    heals for the tests after this one) and relaunches the slice."""
+    cluster_dir = os.path.dirname(shared_cluster["info"]["token_path"])
+    launch = _shared(shared_cluster, workdir, tmp_path, "sleepy.py", "--no-dist", "--max-preemptions", "1",
+                     "--preemption-wait", "120")
+    launch.wait_for(r"\] ready \d attempt 0", HOSTS)
+    run_id = _run_id(tmp_path)
     pids = _raylet_of(cluster_dir, 2)
     assert len(pids) == 1, pids
     os.kill(pids[0], signal.SIGKILL)
@@ -423,7 +420,9 @@ def test_node_lost_is_blamed_and_the_slice_relaunched_on_a_restarted_node(workdi
     err = "".join(launch.err)
     assert "starting the lost emulated host(s) again: emulated worker 2" in err, err
     assert "raylet" not in err and "A worker died" not in err, "Ray's own output stays in ray.log"
-    _assert_nothing_left(run_id, [cluster_dir])
+    _assert_nothing_left(run_id)
+    status = json.loads(run_cli("cluster", "status", "--json", env=shared_cluster["env"]).stdout)
+    assert all(h["alive"] and not h["busy"] for h in status["slices"][0]["hosts"]), status
 
 
 @pytest.mark.lifecycle

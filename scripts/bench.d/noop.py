@@ -21,6 +21,6 @@ except Exception:  # noqa: BLE001 - not launched: build the same mesh by hand
     from tpulaunch.plan.mesh import plan_mesh
 
     xr.use_spmd()
-    plan = plan_mesh(topology.resolve(topology=os.environ.get("BENCH_TOPOLOGY", "2x8")))
+    plan = plan_mesh(topology.resolve(os.environ.get("BENCH_TOPOLOGY", "2x8")))  # a shape or an accelerator type
     mesh = ADAPTER.build_mesh(plan, None)
 print(f"noop mesh {tuple(mesh.mesh_shape)} in {time.time() - t0:.2f}s", flush=True)

@@ -63,99 +63,211 @@ Whole command, `tpulaunch mesh inspect` piped (process start, imports, plan, pri
 """
 
 
-def launch_section(ctx: dict) -> str:
-    n, env, logs, noop = ctx["n"], ctx["env"], ctx["logs"], ctx["noop"]
-    rows: dict[str, float] = {}
-    print("bench: floor (python noop.py, 16 CPU devices, one process)", file=sys.stderr)
-    rows["floor"] = median_of(n, [PY, noop], {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "16"})
-    print("bench: emulation floor (4 x python noop.py at once, as 4 emulated hosts on these cores)", file=sys.stderr)
-    floor_env = {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "16"}
-
-    def four_at_once() -> float:
+def floor_at_once(n: int, procs: int, env: dict, noop: str) -> float:
+    """Median seconds for `procs` copies of noop.py started at once (what emulated hosts must do)."""
+    def once() -> float:
         t0 = time.perf_counter()
-        procs = [subprocess.Popen([PY, noop], cwd=REPO, env=floor_env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL) for _ in range(4)]
-        if any(p.wait() != 0 for p in procs):
+        ps = [subprocess.Popen([PY, noop], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+              for _ in range(procs)]
+        if any(p.wait() != 0 for p in ps):
             raise SystemExit("bench: noop.py failed")
         return time.perf_counter() - t0
 
-    rows["floor4"] = statistics.median(four_at_once() for _ in range(n))
-    print("bench: cold launch (emulated 2x8, cluster started and stopped)", file=sys.stderr)
-    rows["cold"] = median_of(n, [*TL, "run", noop, "--topology", "2x8", *logs], env)
-    print("bench: warm launch (--address auto)", file=sys.stderr)
-    up, _ = timed([*TL, "cluster", "up", "--topology", "2x8"], env)
-    rows["cluster_up"] = up
+    return statistics.median(once() for _ in range(n))
+
+
+def run_json(cmd: list[str], env: dict) -> tuple[float, dict]:
+    """A `tpulaunch run ... --json`: wall seconds and its summary."""
+    dt, _ = timed([*cmd, "--json"], env)
+    runs = sorted(Path(env["TPULAUNCH_HOME"], "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    return dt, json.loads((runs[-1] / "summary.json").read_text())
+
+
+SPARES_READY_S = 25  # after a run, the hosts' spare processes finish importing torch_xla
+
+
+def phase_rows(summary: dict) -> dict[str, float]:
+    t, hosts = summary["timings"], summary["hosts"]
+
+    def med(key: str) -> float:
+        return statistics.median(h["phases"].get(key, 0.0) for h in hosts) if hosts else 0.0
+
+    return {"cluster start": t.get("cluster_start_s", 0.0), "connect": t.get("connect_s", 0.0),
+            "schedule (placement group)": t.get("schedule_s", 0.0),
+            "host agents found or started": t.get("agents_s", 0.0) - t.get("schedule_s", 0.0),
+            "host: framework import (median)": med("import_s"), "host: runtime boot (median)": med("boot_s"),
+            "host: mesh (median)": med("mesh_s"), "first line (from the attempt's start)": t.get("first_line_s", 0.0),
+            "whole launch (summary wall)": summary["wall_s"]}
+
+
+def launch_section(ctx: dict) -> str:
+    n, env, noop = ctx["n"], ctx["env"], ctx["noop"]
+    logs = ["--log-dir", os.path.join(env["TPULAUNCH_HOME"], "runs")]
+    floor_env = {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "16"}
+    rows: dict[str, float] = {}
+    print("bench: floors (python noop.py: one process; 4 at once, as 4 emulated hosts)", file=sys.stderr)
+    rows["floor"] = floor_at_once(n, 1, floor_env, noop)
+    rows["floor4"] = floor_at_once(n, 4, floor_env, noop)
+    print("bench: cold launches (each starts and stops a 4-node emulated cluster)", file=sys.stderr)
+    cold = [run_json([*TL, "run", noop, "--topology", "2x8", *logs], env) for _ in range(n)]
+    rows["cold"] = statistics.median(dt for dt, _ in cold)
+    print("bench: --keep-cluster, then the next plain run on the kept cluster", file=sys.stderr)
+    timed([*TL, "run", noop, "--topology", "2x8", "--keep-cluster", *logs], env)
+    time.sleep(SPARES_READY_S)
+    rows["kept"] = timed([*TL, "run", noop, "--topology", "2x8", *logs], env)[0]
+    timed([*TL, "cluster", "down"], env)
+    print("bench: warm launches on `cluster up` (spares ready, and back to back)", file=sys.stderr)
+    rows["cluster_up"], _ = timed([*TL, "cluster", "up", "--topology", "2x8"], env)
     try:
-        rows["warm"] = median_of(n, [*TL, "run", noop, "--topology", "2x8", "--address", "auto", *logs], env)
+        warm = []
+        for _ in range(n):
+            time.sleep(SPARES_READY_S)
+            warm.append(run_json([*TL, "run", noop, "--topology", "2x8", "--address", "auto", *logs], env))
+        rows["warm"] = statistics.median(dt for dt, _ in warm)
+        rows["back_to_back"] = statistics.median(
+            timed([*TL, "run", noop, "--topology", "2x8", "--address", "auto", *logs], env)[0] for _ in range(n))
     finally:
         timed([*TL, "cluster", "down"], env)
     print("bench: anchor (Ray Train TorchTrainer, 4 workers)", file=sys.stderr)
     rows["anchor"] = median_of(n, [PY, str(HERE / "anchor_ray_train.py")], env)
+    a = rows["anchor"]
+    phases_cold, phases_warm = phase_rows(cold[-1][1]), phase_rows(warm[-1][1])
+    phase_table = "".join(f"| {k} | {phases_cold[k]:.2f} | {phases_warm[k]:.2f} |\n" for k in phases_cold)
     return f"""## Launch time (emulated 2x8 = v6e-16, 4 hosts)
 
 Measured on {datetime.date.today().isoformat()} (median of {n} runs). `noop.py` imports torch_xla, gets the
 16-device mesh and exits. Emulated hosts share the {os.cpu_count()} cores, so every emulated host's torch_xla
-import competes with the others'.
+import competes with the others' and with the Ray processes of the emulated nodes.
 
-| what | seconds | vs anchor |
+| what | seconds | vs anchor | vs 4-process floor |
+| --- | ---: | ---: | ---: |
+| floor: `python noop.py` in one process, same device count | {rows['floor']:.1f} | {rows['floor'] / a:.2f} | |
+| emulation floor: 4 x `python noop.py` at once | {rows['floor4']:.1f} | {rows['floor4'] / a:.2f} | 1.00 |
+| **cold**: `tpulaunch run noop.py --topology 2x8` (starts and stops a 4-node cluster) | {rows['cold']:.1f} | **{rows['cold'] / a:.2f}** | {rows['cold'] / rows['floor4']:.2f} |
+| **warm**: `--address auto` on `cluster up`, the hosts' spare processes ready | {rows['warm']:.1f} | {rows['warm'] / a:.2f} | **{rows['warm'] / rows['floor4']:.2f}** |
+| warm, back to back (the spares still importing) | {rows['back_to_back']:.1f} | {rows['back_to_back'] / a:.2f} | {rows['back_to_back'] / rows['floor4']:.2f} |
+| kept: a plain `run` after `run --keep-cluster` (spares ready) | {rows['kept']:.1f} | {rows['kept'] / a:.2f} | {rows['kept'] / rows['floor4']:.2f} |
+| anchor: Ray Train `TorchTrainer`, 4 workers, same no-op (one Ray node) | {a:.1f} | 1.00 | {a / rows['floor4']:.2f} |
+| `tpulaunch cluster up --topology 2x8` (once, spares included) | {rows['cluster_up']:.1f} | | |
+
+Where a launch's time goes (seconds, from the runs' `summary.json`: the last cold and warm run):
+
+| phase | cold | warm |
 | --- | ---: | ---: |
-| floor: `python noop.py` in one process, same device count | {rows['floor']:.1f} | {rows['floor'] / rows['anchor']:.2f} |
-| emulation floor: 4 x `python noop.py` at once (what 4 emulated hosts must do on {os.cpu_count()} cores) | {rows['floor4']:.1f} | {rows['floor4'] / rows['anchor']:.2f} |
-| cold: `tpulaunch run noop.py --topology 2x8` (starts and stops a 4-node Ray cluster) | {rows['cold']:.1f} | {rows['cold'] / rows['anchor']:.2f} |
-| warm: the same with `--address auto` on a cluster already up | {rows['warm']:.1f} | {rows['warm'] / rows['anchor']:.2f} |
-| anchor: Ray Train `TorchTrainer`, 4 workers, same no-op (one Ray node) | {rows['anchor']:.1f} | 1.00 |
-| `tpulaunch cluster up --topology 2x8` (once) | {rows['cluster_up']:.1f} | |
+{phase_table}"""
 
-Warm launch minus floor: {rows['warm'] - rows['floor']:.1f} s; minus the emulation floor: {rows['warm'] - rows['floor4']:.1f} s
-(the launcher's own cost: driver start, Ray connect, one Ray actor per host).
-Cold minus warm ({rows['cold'] - rows['warm']:.1f} s) is starting and stopping the 4-node Ray cluster.
-"""
+
+def step_times(out: str) -> list[float]:
+    m = re.search(r"STEP_TIME (\{.*\})", out)
+    if not m:
+        raise SystemExit("bench: no STEP_TIME in output:\n" + out[-2000:])
+    return json.loads(m.group(1))["steps_s"]
 
 
 def step_section(ctx: dict) -> str:
+    """Seconds per step of the 2D transformer recipe: directly vs under tpulaunch (warm 2x4 cluster)."""
     env, logs = ctx["env"], ctx["logs"]
-    print("bench: step time, 1-host slice (2x4, 8 devices): direct vs tpulaunch", file=sys.stderr)
-    step_args = ["--", "--steps", "25"]
-    _, out_direct = timed([PY, str(HERE / "step_time.py"), "--steps", "25"],
-                          {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "BENCH_TOPOLOGY": "2x4"})
-    _, out_tl = timed([*TL, "run", str((HERE / "step_time.py").relative_to(REPO)), "--topology", "2x4", *logs, *step_args], env)
+    steps, runs = 60, 3
+    args = ["--steps", str(steps)]
+    direct_env = {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "BENCH_TOPOLOGY": "2x4"}
+    script = str((HERE / "step_time.py").relative_to(REPO))
+    timed([*TL, "cluster", "up", "--topology", "2x4"], env)
+    direct, tl = [], []
+    try:
+        for k in range(runs):  # interleaved, so a slow patch of the machine hits both alike
+            print(f"bench: step time, run {k + 1} of {runs}: direct, then tpulaunch", file=sys.stderr)
+            direct.append(statistics.median(step_times(timed([PY, script, *args], direct_env)[1])))
+            time.sleep(10)  # the hosts' spare processes finish importing, as between edits
+            tl.append(statistics.median(step_times(
+                timed([*TL, "run", script, "--topology", "2x4", "--address", "auto", *logs, "--", *args], env)[1])))
+    finally:
+        timed([*TL, "cluster", "down"], env)
+    d, t = statistics.median(direct), statistics.median(tl)
+    return f"""## Step time (2D transformer recipe, 1 host x 8 devices)
 
-    def step(out: str) -> float:
-        m = re.search(r"STEP_TIME (\{.*\})", out)
-        if not m:
-            raise SystemExit("bench: no STEP_TIME in output:\n" + out[-2000:])
-        return json.loads(m.group(1))["mean_s"]
+Measured on {datetime.date.today().isoformat()}: median seconds per step over {steps} steps (the first 5 dropped),
+{runs} runs each, alternating; tpulaunch runs on a warm emulated 2x4 cluster.
 
-    direct, tl = step(out_direct), step(out_tl)
-    return f"""## Step time (2D transformer recipe, 25 steps, first 5 dropped)
-
-Measured on {datetime.date.today().isoformat()}.
-
-| how | s/step | ratio |
-| --- | ---: | ---: |
-| directly, one process, 2x4 (8 CPU devices) | {direct:.3f} | 1.00 |
-| `tpulaunch run` on an emulated 2x4 (1 host, 8 devices) | {tl:.3f} | {tl / direct:.3f} |
+| how | runs (median s/step) | median | ratio |
+| --- | --- | ---: | ---: |
+| directly, one process (8 CPU devices) | {", ".join(f"{x:.4f}" for x in direct)} | {d:.4f} | 1.000 |
+| `tpulaunch run` (1 emulated host) | {", ".join(f"{x:.4f}" for x in tl)} | {t:.4f} | {t / d:.3f} |
 """
 
 
 def scaling_section(ctx: dict) -> str:
-    env, logs, noop = ctx["env"], ctx["logs"], ctx["noop"]
-    scaling = {}
-    shapes = ((1, "v6e 2x4", ["--topology", "2x4"]), (2, "v4 2x2x2", ["--topology", "2x2x2", "--accelerator", "v4"]),
-              (4, "v6e 2x8", ["--topology", "2x8"]), (8, "v6e 4x8", ["--topology", "4x8"]))
-    for hosts, _name, topo in shapes:
-        print(f"bench: cold launch, {hosts} emulated host(s)", file=sys.stderr)
-        scaling[hosts] = timed([*TL, "run", noop, *topo, *logs], env)[0]
+    env, noop = ctx["env"], ctx["noop"]
+    logs = ["--log-dir", os.path.join(env["TPULAUNCH_HOME"], "runs")]
+    shapes = ((1, "v6e 2x4", "v6e-8", 8), (2, "v4 2x2x2", "v4-16", 8), (4, "v6e 2x8", "v6e-16", 16),
+              (8, "v6e 4x8", "v6e-32", 32))
+    launch, floor = {}, {}
+    for hosts, name, spec, devices in shapes:
+        print(f"bench: cold launch and floor, {hosts} emulated host(s)", file=sys.stderr)
+        launch[hosts] = timed([*TL, "run", noop, "--accelerator", spec, *logs], {**env, "BENCH_TOPOLOGY": spec})[0]
+        floor[hosts] = floor_at_once(1, hosts, {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices),
+                                                "BENCH_TOPOLOGY": spec}, noop)
     return f"""## Launch time vs emulated hosts (cold, one run each)
 
-Measured on {datetime.date.today().isoformat()}.
+Measured on {datetime.date.today().isoformat()}. Floor: that many `noop.py` processes at once (each with the
+slice's device count), what the emulated hosts must do on these {os.cpu_count()} cores.
 
-| hosts | topology | seconds |
-| ---: | --- | ---: |
-""" + "".join(f"| {h} | {name} | {scaling[h]:.1f} |\n" for h, name, _ in shapes)
+| hosts | topology | launch (s) | floor (s) | launch - floor (s) |
+| ---: | --- | ---: | ---: | ---: |
+""" + "".join(f"| {h} | {name} | {launch[h]:.1f} | {floor[h]:.1f} | {launch[h] - floor[h]:.1f} |\n"
+              for h, name, _, _ in shapes) + f"""
+From 4 to 8 hosts the launch grows {launch[8] / launch[4]:.2f}x; the floor itself grows {floor[8] / floor[4]:.2f}x.
+"""
 
 
-SECTIONS = {"planning": planning_section, "launch": launch_section, "steps": step_section, "scaling": scaling_section}
+def first_step_section(ctx: dict) -> str:
+    """Time to the first training step, with an empty persistent compilation cache and a warm one."""
+    env = ctx["env"]
+    logs = ["--log-dir", os.path.join(env["TPULAUNCH_HOME"], "runs")]
+    rows = []
+    timed([*TL, "cluster", "up", "--topology", "2x8"], env)
+    try:
+        for name, recipe in (("torch_xla demo (transformer_2d)", "recipes/transformer_2d.py"),
+                             ("JAX recipe (jax_mlp)", "recipes/jax_mlp.py")):
+            cache = tempfile.mkdtemp(prefix="tpl-bench-cache-")
+            seen = []
+            for label in ("empty cache", "warm cache", "no cache"):
+                time.sleep(SPARES_READY_S)
+                flags = ["--no-compile-cache"] if label == "no cache" else ["--compile-cache", cache]
+                seen.append(time_to(r"step 0 ", [*TL, "run", recipe, "--topology", "2x8", "--address", "auto", *logs,
+                                                 *flags, "--", "--steps", "3"], env))
+            rows.append((name, *seen))
+    finally:
+        timed([*TL, "cluster", "down"], env)
+    return f"""## Time to the first step, persistent compilation cache
+
+Measured on {datetime.date.today().isoformat()} on a warm emulated 2x8 (spares ready): seconds from the
+command's start to the first `step 0` line. The cache is on by default
+(`~/.cache/tpulaunch/xla-cache/<framework>/<slice>`; `--compile-cache DIR`, `--no-compile-cache`).
+
+| script | empty cache | warm cache | no cache | warm vs empty |
+| --- | ---: | ---: | ---: | ---: |
+""" + "".join(f"| {n} | {e:.1f} | {w:.1f} | {o:.1f} | {e / w:.2f}x |\n" for n, e, w, o in rows) + """
+torch_xla 2.9's CPU client cannot load a cached executable ("Failed to deserialize executable:
+UNIMPLEMENTED: Deserializing serialized executable not supported"), so emulated torch_xla hosts do
+not use the cache (it would only add that warning at every compile); on TPU hosts it is used.
+"""
+
+
+def time_to(pattern: str, cmd: list[str], env: dict) -> float:
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = None
+    assert p.stdout is not None
+    for line in p.stdout:
+        if seen is None and re.search(pattern, line):
+            seen = time.perf_counter() - t0
+    if p.wait() != 0 or seen is None:
+        raise SystemExit(f"bench: {' '.join(cmd)} failed or printed no {pattern!r}")
+    return seen
+
+
+SECTIONS = {"planning": planning_section, "launch": launch_section, "steps": step_section, "scaling": scaling_section,
+            "first_step": first_step_section}
 MARK = "<!-- bench section: {} -->"
 
 

@@ -1,4 +1,4 @@
-"""`tpulaunch cluster up|status|down`: keep a Ray cluster warm between runs."""
+"""`tpulaunch cluster up|status|env|down`: keep a Ray cluster warm between runs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from tpulaunch.cli.cmd_mesh import NUM_SLICES_OPT
 from tpulaunch.cli.cmd_slice import PROJECT_OPT, ZONE_OPT
 from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
 from tpulaunch.cli.output import Output
-from tpulaunch.errors import ClusterError
+from tpulaunch.errors import ClusterError, LaunchError, TpulaunchError
+from tpulaunch.host import frameworks
 from tpulaunch.plan import topology as topo_mod
 
 cluster_app = typer.Typer(help="Start, inspect and stop the Ray cluster runs use.", no_args_is_help=True)
@@ -33,6 +34,8 @@ def up(
     num_slices: Optional[int] = NUM_SLICES_OPT,
     name: str = typer.Option("emulated", "--name", help="Slice name the emulated hosts carry (ray.io/tpu-slice-name)."),
     dashboard: bool = typer.Option(False, "--dashboard", help="Also start Ray's dashboard (bound to 127.0.0.1)."),
+    prewarm: str = typer.Option("torch_xla", "--prewarm",
+                                help="Leave a spare process with this framework imported on every host: torch_xla, jax, none."),
     tpu: Optional[str] = typer.Option(None, "--tpu", help="A real TPU VM slice (node name): bring Ray up on its workers over gcloud ssh."),
     zone: Optional[str] = ZONE_OPT,
     project: Optional[str] = PROJECT_OPT,
@@ -53,6 +56,8 @@ def up(
         remote.up_remote(out, tpu, zone, project, port=port, python=remote_python, temp_dir=ray_temp_dir,
                          dashboard=dashboard, topology=topology, accelerator=accelerator, json_out=json_out)
         return
+    if prewarm not in ("none", *frameworks.names()):
+        raise LaunchError(f"--prewarm {prewarm} is not a framework", f"choose one of {', '.join(frameworks.names())}, none")
     rec = load_record()
     if rec is not None and rec.remote:
         raise ClusterError(f"a cluster on TPU '{rec.remote['tpu']}' is recorded as up",
@@ -71,8 +76,18 @@ def up(
             else:
                 out.info(msg)
 
-        info = emulated.start_emulated(list(resolved.slices), t, dashboard=dashboard, progress=progress)
-    save_record(info)
+        # Other drivers (Ray Train) may use this cluster: their workers' output must reach them.
+        info = emulated.start_emulated(list(resolved.slices), t, dashboard=dashboard, log_monitor=True,
+                                       progress=progress)
+        save_record(info)
+        if prewarm != "none":
+            from tpulaunch.run.warm import prewarm_cluster
+
+            progress(f"starting a spare {prewarm} process on every host")
+            try:
+                prewarm_cluster(info, prewarm)
+            except TpulaunchError as e:  # the cluster is up; runs start fresh processes instead
+                out.warn(f"no spare processes: {e.line()}")
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": True,
                   "slices": info.slices, "token_path": info.token_path})
@@ -128,6 +143,29 @@ def status(
                 out.line(" ".join(f"{k}={v}" for k, v in zip(("slice", "type", "topology", "worker", "alive", "busy", "node"), row)))
     if out.rich:
         out.result(table)
+
+
+@cluster_app.command("env")
+def env(
+    address: Optional[str] = typer.Option("auto", "--address", help="auto (the cluster `cluster up` started), HOST:PORT."),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Shell exports a Ray driver needs for this cluster: `eval "$(tpulaunch cluster env)"`.
+
+    RAY_ADDRESS, the token-auth variables (Ray reads them before `import ray` returns) and, on
+    an emulated cluster, the settings that keep Ray's background work low.
+    """
+    import shlex
+
+    out = Output(json_mode=json_out)
+    info = resolve_address(address)
+    assert info is not None
+    values = {"RAY_ADDRESS": info.address, **info.ray_env()}
+    if json_out:
+        out.json({"schema": "tpulaunch.cluster-env/v1", "env": values})
+        return
+    # Plain text, never rich markup: this is shell code.
+    typer.echo("".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items()), nl=False)
 
 
 @cluster_app.command("down")

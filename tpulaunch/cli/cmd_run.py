@@ -8,7 +8,7 @@ import typer
 from rich.text import Text
 
 from tpulaunch import run
-from tpulaunch.cli import app
+from tpulaunch.cli import app, debug_enabled
 from tpulaunch.cli.cmd_mesh import DCN_OPT, MESH_OPT, NUM_SLICES_OPT
 from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
 from tpulaunch.cli.noise import NoiseFold
@@ -156,6 +156,14 @@ def run_cmd(
     max_preemptions: int = FAULT_OPTIONS["max_preemptions"],
     preemption_wait: float = FAULT_OPTIONS["preemption_wait"],
     preemption_grace: float = FAULT_OPTIONS["preemption_grace"],
+    compile_cache: Optional[str] = typer.Option(
+        None, "--compile-cache", metavar="DIR",
+        help="Persistent XLA compilation cache on every host (default ~/.cache/tpulaunch/xla-cache/<framework>/<slice>)."),
+    no_compile_cache: bool = typer.Option(False, "--no-compile-cache", help="Compile from scratch every run."),
+    keep_cluster: bool = typer.Option(False, "--keep-cluster",
+                                      help="Leave the emulated cluster this run starts up; the next runs use it (warm)."),
+    idle_timeout: float = typer.Option(1800.0, "--idle-timeout", metavar="SECONDS",
+                                       help="With --keep-cluster: stop the cluster after this long unused."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, env, mesh) and start nothing."),
     json_out: bool = JSON_OPT,
 ) -> None:
@@ -173,7 +181,8 @@ def run_cmd(
         kill_stale=kill_stale, address=address, distributed=not no_dist, log_dir=log_dir, workdir=workdir,
         schedule_timeout=schedule_timeout, max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout,
         max_restarts=max_restarts, max_preemptions=max_preemptions, preemption_wait=preemption_wait,
-        preemption_grace=preemption_grace,
+        preemption_grace=preemption_grace, keep_cluster=keep_cluster, idle_timeout=idle_timeout,
+        compile_cache=compile_cache, no_compile_cache=no_compile_cache,
     )
     raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run))
 
@@ -196,6 +205,6 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     if not req.command:
         out.info(f"framework: {plan.framework} ({prep.framework_reason})")
     sink = TerminalSink(out, show)
-    summary = run.launch(prep, sink, quiet_ray=True)
+    summary = run.launch(prep, sink, quiet_ray=True, debug=debug_enabled())
     report(out, summary, sink)
     return summary.exit_code

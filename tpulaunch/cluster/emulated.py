@@ -21,6 +21,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -53,9 +54,14 @@ def _ray_bin() -> str:
 
 def ray_start_argv(
     *, head: bool, address: str | None, temp_dir: str, chips_per_host: int, ports: list[int],
-    dashboard: bool = False,
+    dashboard: bool = False, log_monitor: bool = False,
 ) -> list[str]:
-    """`ray start` for one emulated host; every port explicit so parallel starts cannot collide."""
+    """`ray start` for one emulated host; every port explicit so parallel starts cannot collide.
+
+    `log_monitor`: Ray's per-node log monitor, which forwards worker output to drivers. `tpulaunch
+    run` streams host output itself and needs none (a Python process per host saved); a cluster
+    left up for other drivers (Ray Train) needs it, or their workers' prints reach nobody.
+    """
     nm, om, agent_listen, agent_grpc, env_agent, metrics = ports[:6]
     argv = [
         _ray_bin(), "start",
@@ -69,9 +75,7 @@ def ray_start_argv(
         "--dashboard-agent-listen-port", str(agent_listen), "--dashboard-agent-grpc-port", str(agent_grpc),
         "--runtime-env-agent-port", str(env_agent), "--metrics-export-port", str(metrics),
         "--disable-usage-stats",
-        # tpulaunch streams host output itself (log_to_driver=False), so Ray's per-node log
-        # monitor would only cost a Python process per emulated host.
-        "--include-log-monitor", "false",
+        "--include-log-monitor", "true" if log_monitor else "false",
     ]
     if head:
         argv += ["--head", "--port", str(ports[6]), "--ray-client-server-port", str(ports[7]),
@@ -105,26 +109,38 @@ def _base_env(info: ClusterInfo) -> dict[str, str]:
     env = dict(os.environ)
     for k in ("RAY_ADDRESS", "TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS"):
         env.pop(k, None)
-    env.update(info.ray_env())
+    env.update(info.ray_env())  # token auth, and Ray's background work kept low (QUIET_RAY)
     env.update(FAST_HEALTH_CHECKS)
     env["RAY_prestart_worker_first_driver"] = "0"
     return env
 
 
 def _join(info: ClusterInfo, spec: SliceSpec, topology: Topology, worker: int, ports: list[int]) -> None:
-    """`ray start` one more emulated host into the cluster at `info.address`."""
+    """`ray start` one more emulated host into the cluster at `info.address`.
+
+    Each joined host has a temp dir of its own inside the cluster's: `ray start`s running at the
+    same time in one session directory pick the same per-node index for their log files and
+    unix sockets (seen with Ray 2.60: two raylets in one `raylet.1.out`, the object store's
+    `bind: Address already in use`). Stopping by the cluster's directory still finds them all.
+    """
     assert info.temp_dir is not None
+    node_dir = os.path.join(info.temp_dir, f"s{spec.slice_index}w{worker}")
+    os.makedirs(node_dir, exist_ok=True)
     env = {**_base_env(info), **host_node_env(spec, topology, worker)}
-    argv = ray_start_argv(head=False, address=info.address, temp_dir=info.temp_dir,
-                          chips_per_host=topology.chips_per_host, ports=ports)
+    argv = ray_start_argv(head=False, address=info.address, temp_dir=node_dir,
+                          chips_per_host=topology.chips_per_host, ports=ports, log_monitor=info.log_monitor)
     _run_ray_start(argv, env, f"host {worker} of slice {spec.name}")
 
 
 def start_emulated(
-    slices: list[SliceSpec], topology: Topology, *, dashboard: bool = False,
-    progress: Callable[[str], None] | None = None,
+    slices: list[SliceSpec], topology: Topology, *, dashboard: bool = False, log_monitor: bool = False,
+    progress: Callable[[str], None] | None = None, on_head: Callable[[ClusterInfo], None] | None = None,
 ) -> ClusterInfo:
-    """Start one Ray node per host of every slice, on this machine. Head = slice 0 worker 0."""
+    """Start one Ray node per host of every slice, on this machine. Head = slice 0 worker 0.
+
+    `on_head(info)` runs once the head is up, before the other hosts join: work that needs only
+    the cluster's address (a driver connecting, agents waiting for their nodes) overlaps the joins.
+    """
     say = progress or (lambda _m: None)
     temp_dir = tempfile.mkdtemp(prefix="tpl-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     token_path = os.path.join(temp_dir, "auth_token")
@@ -132,7 +148,7 @@ def start_emulated(
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
     info = ClusterInfo(address="", temp_dir=temp_dir, token_path=token_path, emulated=True,
-                       slices=[s.to_dict() for s in slices])
+                       slices=[s.to_dict() for s in slices], log_monitor=log_monitor)
     hosts = [(s, w) for s in slices for w in range(topology.num_hosts)]
     ports = free_ports(9 * len(hosts))
     try:
@@ -140,14 +156,20 @@ def start_emulated(
         say(f"starting the Ray head: host 0 of slice {s0.name}")
         env = {**_base_env(info), **host_node_env(s0, topology, w0)}
         _run_ray_start(ray_start_argv(head=True, address=None, temp_dir=temp_dir, chips_per_host=topology.chips_per_host,
-                                      ports=ports[0:9], dashboard=dashboard), env, "the head node")
+                                      ports=ports[0:9], dashboard=dashboard, log_monitor=log_monitor),
+                       env, "the head node")
         info.address = (Path(temp_dir) / "ray_current_cluster").read_text().strip()
-        # One at a time: raylets started in parallel on one machine race for the same internal
-        # ports and log-file names (seen with Ray 2.60: `bind: Address already in use`).
-        for i in range(1, len(hosts)):
+        if on_head is not None:
+            on_head(info)
+        # In parallel: every port is explicit and below the ephemeral range (`ports.py`), so no
+        # start can take another's port (the `bind: Address already in use` of earlier versions).
+        def join(i: int) -> None:
             s, w = hosts[i]
             _join(info, s, topology, w, ports[9 * i:9 * i + 9])
             say(f"host {w} of slice {s.name} joined")
+
+        with ThreadPoolExecutor(max_workers=min(8, max(1, len(hosts) - 1))) as pool:
+            list(pool.map(join, range(1, len(hosts))))
     except BaseException:
         stop_cluster(info)
         raise
@@ -166,8 +188,11 @@ def restart_hosts(info: ClusterInfo, topology: Topology, missing: list[tuple[str
         _join(info, specs[name], topology, worker, ports[9 * k:9 * k + 9])
 
 
-def stop_cluster(info: ClusterInfo, grace_s: float = 5.0) -> int:
-    """Stop every process of an emulated cluster; returns how many were running."""
+def stop_cluster(info: ClusterInfo, grace_s: float = 1.0) -> int:
+    """Stop every process of an emulated cluster; returns how many were running.
+
+    A short grace: nothing of an emulated cluster needs a graceful exit, and Ray's processes that
+    ignore SIGTERM for seconds would only hold the launcher up (SIGKILL follows)."""
     if not info.temp_dir:
         return 0
     return stop_processes(info.temp_dir, grace_s)

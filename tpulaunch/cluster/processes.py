@@ -12,6 +12,8 @@ import shutil
 import signal
 import time
 
+from tpulaunch.plan.launch import run_marker
+
 
 def cluster_pids(temp_dir: str) -> list[int]:
     """Processes of the Ray cluster living in `temp_dir`.
@@ -78,16 +80,23 @@ def _alive(pid: int) -> bool:
 
 
 def run_pids(run_id: str) -> list[int]:
-    """Host processes of one run on this machine (their environment holds its TPULAUNCH_RUN_ID)."""
-    needle = f"TPULAUNCH_RUN_ID={run_id}".encode()
+    """Host processes of one run on this machine: their environment holds its TPULAUNCH_RUN_ID, or
+    (a spare that took the run) they hold its heartbeat file open, named `tpulaunch-run-<id>-...`."""
+    env_needle = f"TPULAUNCH_RUN_ID={run_id}".encode()
+    fd_needle = "/" + run_marker(run_id)
     out = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) == os.getpid() or not _alive(int(entry)):
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read() and _alive(int(entry)):
+                if env_needle in f.read():
                     out.append(int(entry))
+                    continue
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                if fd_needle in os.readlink(f"/proc/{entry}/fd/{fd}"):
+                    out.append(int(entry))
+                    break
         except OSError:
             continue
     return out

@@ -23,6 +23,17 @@ def state_dir() -> Path:
 
 
 
+# Ray's background work on an emulated cluster, where every node shares this machine's cores with
+# the hosts' training: no metrics pipeline, task events and state dumps rarely (Ray's C++ config,
+# read from RAY_<name> by every Ray process: nodes, workers and the driver).
+QUIET_RAY = {
+    "RAY_enable_metrics_collection": "0",
+    "RAY_task_events_report_interval_ms": "10000",
+    "RAY_debug_dump_period_ms": "600000",
+    "RAY_event_stats_print_interval_ms": "600000",
+}
+
+
 @dataclass
 class ClusterInfo:
     """A Ray cluster tpulaunch knows about. Persisted as JSON by `cluster up`."""
@@ -36,6 +47,9 @@ class ClusterInfo:
     # A cluster on a real slice (`cluster up --tpu`): where it runs, for status/down over gcloud ssh
     # ({"tpu", "zone", "project", "port", "temp_dir", "python"}; see `cluster/remote.py`). None otherwise.
     remote: dict | None = None
+    kept: bool = False  # left up by `run --keep-cluster` (stopped after `idle_timeout` s unused)
+    idle_timeout: float | None = None
+    log_monitor: bool = False  # its nodes forward worker output to drivers (`cluster up`: yes)
 
     @property
     def running_here(self) -> bool:
@@ -43,11 +57,13 @@ class ClusterInfo:
         return bool(self.temp_dir) and bool(cluster_pids(self.temp_dir))  # type: ignore[arg-type]
 
     def ray_env(self) -> dict[str, str]:
-        """Environment a process needs to talk to this cluster."""
+        """Environment a process needs to talk to this cluster (on an emulated one, also QUIET_RAY)."""
         env = {"RAY_USAGE_STATS_ENABLED": "0"}
         if self.token_path:
             env["RAY_AUTH_MODE"] = "token"
             env["RAY_AUTH_TOKEN_PATH"] = self.token_path
+        if self.emulated:
+            env.update(QUIET_RAY)
         return env
 
 

@@ -1,27 +1,33 @@
-"""`HostAgent`: one Ray actor per TPU host; it supervises the process that trains.
+"""`HostAgent`: one long-lived Ray actor per TPU host; it supervises the process that trains.
 
-The actor reserves all of the host's chips (its placement-group bundle holds `TPU:
-chips_per_host`), but never imports torch_xla or jax itself: it starts
-`python -m tpulaunch.host.bootstrap` with the host's environment, so the runtime (and the chips)
-belong to exactly one process whose exit code is the host's result, and which can be stopped as a
-process group. The child gets `PR_SET_PDEATHSIG`, so if the actor dies (its node lost) the child
-dies too, and `PR_SET_PTRACER` so the agent's `py-spy` may read its stacks.
+The agent is a named, detached actor on its host's Ray node (found again by the next run), holding
+no resources itself: each run reserves the host's chips with its placement group. It never
+imports torch_xla or jax: it starts `python -m tpulaunch.host.bootstrap` with the host's
+environment, so the runtime (and the chips) belong to exactly one process whose exit code is the
+host's result, and which can be stopped as a process group. The child gets `PR_SET_PDEATHSIG` (if
+the agent dies, its node lost, the child dies too) and `PR_SET_PTRACER` (so py-spy may read it).
+
+Warm hosts: after a run on a cluster that stays up, the agent starts a *spare*: a bootstrap with
+Python started and the framework imported, runtime untouched, waiting on stdin for its state.
+The next run with the same environment (all but the per-run variables) takes it, skipping the
+interpreter start and the framework import; any other run gets a fresh process.
 
 The driver long-polls `poll()`: it returns as soon as there are new output lines or the process
-ended, else after `wait_s`, with the time of the host's last sign of life (an output line or a
-`tpulaunch.heartbeat()`). `terminate()` stops the child (SIGTERM, then SIGKILL after a grace
-period); `dump_stacks()` is `py-spy dump` of the child.
+ended, else after `wait_s`, with the time of the host's last sign of life (an output line or
+`tpulaunch.heartbeat()`). A run whose driver stops polling for `DRIVER_GONE_S` is stopped:
+no host outlives the launcher that supervises it. `terminate()` stops the child (SIGTERM, then
+SIGKILL after a grace period); `dump_stacks()` is `py-spy dump` of it.
 
-Preemption: a SIGTERM to the agent (the VM shutting down) or a notice from the GCE metadata
-server (`instance/preempted`, `instance/maintenance-event`; see `preemption.py`) is forwarded to
-the script as SIGTERM with a grace period to save a checkpoint, and `poll()` reports the host as
-preempted, so the driver counts a preemption rather than a failure.
+Preemption: SIGTERM to the agent (the VM shutting down) or a notice from the GCE metadata server
+(`preemption.py`) is forwarded to the script as SIGTERM with a grace period to save a checkpoint,
+and `poll()` reports the host as preempted, so the driver counts a preemption, not a failure.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import json
 import os
 import pickle
 import shutil
@@ -35,13 +41,37 @@ import time
 
 from tpulaunch.errors import ExitCode
 from tpulaunch.host.context import HEARTBEAT_ENV
+from tpulaunch.plan.launch import run_marker
 
 # Variables Ray sets for sub-host TPU allocations; the plan decides these, not the actor's parent.
 _DROP = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "RAY_ADDRESS")
+# Variables that change from run to run; everything else must match for a spare to be taken.
+PER_RUN_ENV = ("TPULAUNCH_RUN_ID", "TPULAUNCH_RESTART_COUNT", "TPULAUNCH_COORDINATOR_ADDRESS", "MASTER_PORT",
+               "JAX_COORDINATOR_ADDRESS", "TPULAUNCH_EMULATION_PORT", HEARTBEAT_ENV, "TPULAUNCH_STATE",
+               "TPULAUNCH_TIMINGS_FILE")
 _PR_SET_PDEATHSIG = 1
 _PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, -1
 EXIT_TPU_BUSY = ExitCode.TPU_BUSY  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
 PY_STDIO_ENV = "TPULAUNCH_PY_STDIO_FDS"  # "OUT,ERR": the fds the bootstrap gives sys.stdout / sys.stderr
+TIMINGS_ENV = "TPULAUNCH_TIMINGS_FILE"  # the bootstrap's phases (import, boot, mesh) as JSON
+DRIVER_GONE_S = 60.0  # a run nobody polled for this long has lost its driver
+NAMESPACE = "tpulaunch"
+
+
+def agent_name(slice_name: str, worker_id: int) -> str:
+    return f"tpulaunch-agent-{slice_name}-{worker_id}"
+
+
+def agent_for(slice_name: str, worker_id: int) -> object:
+    """The agent of TPU worker `worker_id` of `slice_name`: found, or started on that host's node."""
+    import ray
+
+    from tpulaunch.discover.ray_labels import SLICE, WORKER
+
+    return ray.remote(HostAgent).options(
+        name=agent_name(slice_name, worker_id), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        num_cpus=0, max_concurrency=8, max_restarts=0, label_selector={SLICE: slice_name, WORKER: str(worker_id)},
+    ).remote(slice_name, worker_id)
 
 
 def _child_setup() -> None:
@@ -59,197 +89,86 @@ def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-class HostAgent:
-    """Supervisor of one host's training process. Used as a threaded Ray actor."""
+def import_env(env: dict[str, str]) -> dict[str, str]:
+    """What a host process's environment is, apart from what changes from run to run."""
+    return {k: v for k, v in env.items() if k not in PER_RUN_ENV and k != PY_STDIO_ENV}
 
-    def __init__(self, process_index: int) -> None:
-        self.process_index = process_index
-        self._proc: subprocess.Popen | None = None
-        self._lines: collections.deque = collections.deque()
-        self._cond = threading.Condition()
-        self._readers: list[threading.Thread] = []
-        self._started = 0.0
-        self._ended: float | None = None
-        self._last_line = 0.0
-        self._state_path: str | None = None
-        self._heartbeat: str | None = None
-        self._refused: int | None = None
-        self._preempted: str | None = None
-        self._grace_s = 30.0
-        if threading.current_thread() is threading.main_thread():
-            # A threaded actor's __init__ runs on the worker's main thread: the one place a signal
-            # handler can be installed. SIGTERM to this process is the host going away.
-            signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def info(self) -> dict:
-        """Where this agent landed: node labels decide its process index, not scheduling order."""
-        import ray
+class HostProcess:
+    """One host process and everything it printed. A spare waits on stdin for its state."""
 
-        rc = ray.get_runtime_context()
-        labels = rc.get_node_labels() if hasattr(rc, "get_node_labels") else {}
-        return {
-            "process_index": self.process_index,
-            "node_id": rc.get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "hostname": socket.gethostname(),
-            "labels": {k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(labels).items()},
-            "pid": os.getpid(),
-        }
-
-    def start(self, state: bytes, env: dict[str, str], command: list[str] | None = None,
-              check_tpu: bool = False, kill_stale: bool = False, cwd: str | None = None,
-              watch_preemption: bool = False, grace_s: float = 30.0) -> int:
-        """Start the host process. `state` is the pickled HostState; returns the child's pid.
-
-        With `check_tpu` (real TPU hosts), first make sure no leftover process holds the chips
-        (the failure users hit most after an interrupted run); `kill_stale` clears them. `cwd` is
-        where the script runs: the driver's working directory on emulated hosts (same filesystem),
-        else the copy Ray shipped (this actor's own working directory). `watch_preemption` asks the
-        metadata server for preemption notices; `grace_s` is how long a preempted script has.
-        """
-        self._grace_s = grace_s
-        if check_tpu and not self._tpu_free(kill_stale):
-            self._ended = self._started = time.time()
-            self._refused = EXIT_TPU_BUSY
-            return -1
-        fd, path = tempfile.mkstemp(prefix="tpulaunch-host-", suffix=".pkl")
-        with os.fdopen(fd, "wb") as f:
-            f.write(state)
-        self._state_path = path
-        fd, self._heartbeat = tempfile.mkstemp(prefix="tpulaunch-heartbeat-")
-        os.close(fd)
-        child_env = {k: v for k, v in os.environ.items() if k not in _DROP}
-        child_env.update(env)
-        child_env["TPULAUNCH_STATE"] = path
-        child_env[HEARTBEAT_ENV] = self._heartbeat
-        argv = command or [sys.executable, "-m", "tpulaunch.host.bootstrap", path]
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str, spare: bool = False) -> None:
+        py = argv[1:3] == ["-m", "tpulaunch.host.bootstrap"]
         # The bootstrap writes Python's sys.stdout/sys.stderr to pipes of their own: native code
         # (gloo, XLA) writing to fds 1/2 at the same time could otherwise split a printed line.
-        py_pipes = [] if command else [os.pipe(), os.pipe()]
-        if py_pipes:
-            child_env[PY_STDIO_ENV] = f"{py_pipes[0][1]},{py_pipes[1][1]}"
-        self._started = self._last_line = time.time()
+        pipes = [os.pipe(), os.pipe()] if py else []
+        env = dict(env)
+        if pipes:
+            env[PY_STDIO_ENV] = f"{pipes[0][1]},{pipes[1][1]}"
+        self.env = env
+        self.lines: collections.deque = collections.deque()
+        self.cond = threading.Condition()
+        self.started = self.last_line = time.time()
+        self.ended: float | None = None
+        self.readers: list[threading.Thread] = []
         try:
-            self._proc = subprocess.Popen(
-                argv, env=child_env, cwd=cwd or os.getcwd(), stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen(
+                argv, env=env, cwd=cwd, stdin=subprocess.PIPE if spare else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                preexec_fn=_child_setup, bufsize=0, pass_fds=[w for _r, w in py_pipes],
+                preexec_fn=_child_setup, bufsize=0, pass_fds=[w for _r, w in pipes],
             )
-        except OSError as e:
-            for r, w in py_pipes:
-                os.close(r)
+        finally:
+            for _r, w in pipes:
                 os.close(w)
-            self._push("stderr", f"tpulaunch: cannot start {argv[0]}: {e}")
-            self._ended = time.time()
-            return -1
-        streams = [("stdout", self._proc.stdout), ("stderr", self._proc.stderr)]
-        for name, (r, w) in zip(("stdout", "stderr"), py_pipes):
-            os.close(w)
-            streams.append((name, os.fdopen(r, "rb", buffering=0)))
+        streams = [("stdout", self.proc.stdout), ("stderr", self.proc.stderr)]
+        streams += [(name, os.fdopen(r, "rb", buffering=0)) for name, (r, _w) in zip(("stdout", "stderr"), pipes)]
         for name, stream in streams:
             t = threading.Thread(target=self._pump, args=(name, stream), daemon=True)
             t.start()
-            self._readers.append(t)
+            self.readers.append(t)
         threading.Thread(target=self._reap, daemon=True).start()
-        if watch_preemption:
-            from tpulaunch.host.preemption import watch
 
-            watch(env.get("TPULAUNCH_METADATA_HOST") or None, self.preempt, stop=lambda: self._ended is not None)
-        return self._proc.pid
+    def hand_state(self, payload: dict) -> None:
+        """Give a spare its run: `{"state": path, "env": {...}, "cwd": dir}` (it applies and goes)."""
+        assert self.proc.stdin is not None
+        self.started = self.last_line = time.time()
+        self.proc.stdin.write((json.dumps(payload) + "\n").encode())
+        self.proc.stdin.close()
 
-    def _tpu_free(self, kill_stale: bool) -> bool:
-        from tpulaunch.host import tpu_holders
-
-        report = tpu_holders.scan()
-        if report.clean:
-            return True
-        who = "; ".join(f"pid {h.pid} ({h.cmdline[:80]}) holds {', '.join(h.paths)}" for h in report.holders)
-        what = who or f"stale lockfile {report.lockfile}"
-        if not kill_stale:
-            self._push("stderr", f"tpulaunch: the TPU on this host is busy: {what}. Rerun with --kill-stale to clear it")
-            return False
-        result = tpu_holders.clear(report)
-        self._push("stderr", f"tpulaunch: --kill-stale: {what}; cleared {result}")
-        return not result["failed"]
-
-    # -- output and the end ---------------------------------------------------------------------
-
-    def _push(self, stream: str, text: str) -> None:
-        with self._cond:
-            self._lines.append((stream, text))
-            self._last_line = time.time()
-            self._cond.notify_all()
+    def push(self, stream: str, text: str) -> None:
+        with self.cond:
+            self.lines.append((stream, text))
+            self.last_line = time.time()
+            self.cond.notify_all()
 
     def _pump(self, name: str, stream) -> None:  # noqa: ANN001 - a binary pipe
         for raw in iter(stream.readline, b""):
-            self._push(name, raw.decode("utf-8", "replace").rstrip("\r\n"))
+            self.push(name, raw.decode("utf-8", "replace").rstrip("\r\n"))
         stream.close()
 
     def _reap(self) -> None:
-        """Wait for the child and its pipes; record when it ended and wake a waiting poll."""
-        p = self._proc
-        assert p is not None
-        p.wait()
-        for t in self._readers:
+        self.proc.wait()
+        for t in self.readers:
             t.join()
-        with self._cond:
-            self._ended = self._ended or time.time()
-            self._cond.notify_all()
-        self._cleanup_files()
+        with self.cond:
+            self.ended = time.time()
+            self.cond.notify_all()
 
-    def _activity(self) -> float:
-        beat = 0.0
-        if self._heartbeat:
-            try:
-                beat = os.stat(self._heartbeat).st_mtime
-            except OSError:
-                pass
-        return max(self._last_line, beat)
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
-    def poll(self, max_lines: int = 5000, wait_s: float = 0.0) -> dict:
-        """New output lines, and the end once every line is out. Waits up to `wait_s` for either.
+    def done(self) -> bool:
+        return self.ended is not None
 
-        Returns {"lines": [(stream, text)], "code": exit code or None, "wall": seconds,
-        "ended": when it ended (time.time) or None, "activity": last sign of life,
-        "preempted": why, if this host was preempted}.
-        """
-        with self._cond:
-            if wait_s > 0 and not self._lines and not self._done():
-                self._cond.wait(wait_s)
-            n = min(max_lines, len(self._lines))
-            out = [self._lines.popleft() for _ in range(n)]
-            code = self._code() if self._done() and not self._lines else None
-        wall = (self._ended or time.time()) - self._started if self._started else 0.0
-        return {"lines": out, "code": code, "wall": wall, "ended": self._ended if code is not None else None,
-                "activity": self._activity(), "preempted": self._preempted}
-
-    def _done(self) -> bool:
-        if self._proc is None:
-            return self._ended is not None
-        return self._proc.returncode is not None and self._ended is not None
-
-    def _code(self) -> int:
-        if self._proc is None:
-            return self._refused or 127
-        return exit_code_of(self._proc.returncode)
-
-    def _cleanup_files(self) -> None:
-        for attr in ("_state_path", "_heartbeat"):
-            path = getattr(self, attr)
-            if path:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-                setattr(self, attr, None)
-
-    # -- stopping -----------------------------------------------------------------------------
+    def code(self) -> int:
+        return exit_code_of(self.proc.returncode)
 
     def terminate(self, grace_s: float = 3.0) -> int | None:
-        """Stop the host process group: SIGTERM, then SIGKILL after `grace_s`."""
-        p = self._proc
-        if p is None or p.poll() is not None:
-            return None if p is None else exit_code_of(p.returncode)
+        """Stop the process group: SIGTERM, then SIGKILL after `grace_s`."""
+        p = self.proc
+        if p.poll() is not None:
+            return exit_code_of(p.returncode)
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(p.pid, sig)
@@ -260,17 +179,244 @@ class HostAgent:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        for t in self._readers:
+        for t in self.readers:
             t.join(timeout=2.0)
         return exit_code_of(p.returncode) if p.returncode is not None else None
 
+
+class HostAgent:
+    """Supervisor of one host's training processes, run after run. Used as a threaded Ray actor."""
+
+    def __init__(self, slice_name: str, worker_id: int) -> None:
+        self.slice_name, self.worker_id = slice_name, worker_id
+        self._host: HostProcess | None = None
+        self._refused: int | None = None
+        self._run_id: str | None = None
+        self._files: list[str] = []
+        self._heartbeat: str | None = None
+        self._timings: str | None = None
+        self._preempted: str | None = None
+        self._grace_s = 30.0
+        self._last_poll = time.time()
+        self._spares: dict[str, tuple[dict[str, str], HostProcess]] = {}
+        self._notes: list[str] = []  # tpulaunch's own lines for the next poll (a busy TPU)
+        self._lock = threading.Lock()
+        if threading.current_thread() is threading.main_thread():
+            # A threaded actor's __init__ runs on the worker's main thread: the one place a signal
+            # handler can be installed. SIGTERM to this process is the host going away.
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        threading.Thread(target=self._watch_driver, name="tpulaunch-driver-watch", daemon=True).start()
+
+    def info(self) -> dict:
+        """Where this agent lives: node labels decide its process index, not scheduling order."""
+        import ray
+
+        rc = ray.get_runtime_context()
+        labels = rc.get_node_labels() if hasattr(rc, "get_node_labels") else {}
+        return {
+            "node_id": rc.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "labels": {k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(labels).items()},
+            "pid": os.getpid(),
+            "spares": sorted(self._spares),
+        }
+
+    # -- a run ----------------------------------------------------------------------------------
+
+    def start(self, state: bytes, env: dict[str, str], *, run_id: str, command: list[str] | None = None,
+              framework: str | None = None, check_tpu: bool = False, kill_stale: bool = False,
+              cwd: str | None = None, watch_preemption: bool = False, grace_s: float = 30.0) -> dict:
+        """Start this host's process for run `run_id`; `state` is its pickled HostState.
+
+        With `check_tpu` (real TPU hosts), first make sure no leftover process holds the chips
+        (the failure users hit most after an interrupted run); `kill_stale` clears them. `cwd` is
+        where the script runs: the driver's working directory on emulated hosts (same filesystem),
+        else the copy Ray shipped (this actor's own working directory). `watch_preemption` asks the
+        metadata server for preemption notices; `grace_s` is how long a preempted script has.
+        Returns {"pid", "prewarmed", "why"}: whether a spare took the run, or why not.
+        """
+        with self._lock:
+            self._end_leftover()
+            self._run_id, self._grace_s, self._preempted, self._refused = run_id, grace_s, None, None
+            self._last_poll = time.time()
+            if check_tpu and not self._tpu_free(kill_stale):
+                self._refused = EXIT_TPU_BUSY
+                return {"pid": -1, "prewarmed": False, "why": "the TPU is busy"}
+            fd, path = tempfile.mkstemp(prefix="tpulaunch-host-", suffix=".pkl")
+            with os.fdopen(fd, "wb") as f:
+                f.write(state)
+            # Named for the run: every host process keeps it open, so /proc shows whose it is even
+            # for a spare, whose environment (/proc/<pid>/environ) predates its run.
+            fd, self._heartbeat = tempfile.mkstemp(prefix=f"{run_marker(run_id)}host{env.get('TPULAUNCH_PROCESS_INDEX', '')}-")
+            os.close(fd)
+            fd, self._timings = tempfile.mkstemp(prefix="tpulaunch-timings-")
+            os.close(fd)
+            self._files = [path, self._heartbeat, self._timings]
+            run_env = {k: v for k, v in os.environ.items() if k not in _DROP}
+            run_env.update(env)
+            run_env.update({"TPULAUNCH_STATE": path, HEARTBEAT_ENV: self._heartbeat, TIMINGS_ENV: self._timings})
+            cwd = cwd or os.getcwd()
+            spare, why = (None, "a command, not a script") if command else self._take_spare(framework, run_env)
+            try:
+                if spare is not None:
+                    spare.hand_state({"state": path, "env": {k: run_env[k] for k in PER_RUN_ENV if k in run_env},
+                                      "cwd": cwd})
+                    self._host = spare
+                else:
+                    argv = command or [sys.executable, "-m", "tpulaunch.host.bootstrap", path]
+                    self._host = HostProcess(argv, run_env, cwd)
+            except OSError as e:
+                self._host = None
+                self._refused = 127
+                self._cleanup_files()
+                return {"pid": -1, "prewarmed": False, "why": f"cannot start {command or 'the bootstrap'}: {e}"}
+            if watch_preemption:
+                from tpulaunch.host.preemption import watch
+
+                host = self._host
+                watch(env.get("TPULAUNCH_METADATA_HOST") or None, self.preempt, stop=lambda: host.done())
+            return {"pid": self._host.proc.pid, "prewarmed": spare is not None, "why": why}
+
+    def _take_spare(self, framework: str | None, run_env: dict[str, str]) -> tuple[HostProcess | None, str]:
+        entry = self._spares.pop(framework or "", None)
+        if entry is None:
+            return None, f"no spare with {framework} imported"
+        env0, spare = entry
+        if not spare.alive:
+            return None, "the spare had exited"
+        want = import_env(run_env)
+        if want != env0:
+            spare.terminate(0.5)
+            keys = sorted(k for k in set(want) | set(env0) if want.get(k) != env0.get(k))
+            return None, "the environment differs from the spare's in " + ", ".join(keys[:8])
+        return spare, "a spare with the same environment"
+
+    def _tpu_free(self, kill_stale: bool) -> bool:
+        from tpulaunch.host import tpu_holders
+
+        report = tpu_holders.scan()
+        if report.clean:
+            return True
+        who = "; ".join(f"pid {h.pid} ({h.cmdline[:80]}) holds {', '.join(h.paths)}" for h in report.holders)
+        what = who or f"stale lockfile {report.lockfile}"
+        if not kill_stale:
+            self._notes.append(f"tpulaunch: the TPU on this host is busy: {what}. Rerun with --kill-stale to clear it")
+            return False
+        result = tpu_holders.clear(report)
+        self._notes.append(f"tpulaunch: --kill-stale: {what}; cleared {result}")
+        return not result["failed"]
+
+    def poll(self, max_lines: int = 5000, wait_s: float = 0.0) -> dict:
+        """New output lines, and the end once every line is out. Waits up to `wait_s` for either.
+
+        Returns {"lines": [(stream, text)], "code": exit code or None, "wall": seconds,
+        "ended": when it ended (time.time) or None, "activity": last sign of life,
+        "preempted": why, if this host was preempted}.
+        """
+        self._last_poll = time.time()
+        notes, self._notes = [("stderr", n) for n in self._notes], []
+        h = self._host
+        if h is None:
+            code = self._refused if self._refused is not None else None
+            return {"lines": notes, "code": code, "wall": 0.0, "ended": time.time() if code is not None else None,
+                    "activity": time.time(), "preempted": self._preempted}
+        with h.cond:
+            if wait_s > 0 and not h.lines and not h.done():
+                h.cond.wait(wait_s)
+            n = min(max_lines, len(h.lines))
+            out = notes + [h.lines.popleft() for _ in range(n)]
+            code = h.code() if h.done() and not h.lines else None
+        phases = {}
+        if code is not None:
+            phases = self._phases()
+            self._cleanup_files()
+        wall = (h.ended or time.time()) - h.started
+        return {"lines": out, "code": code, "wall": wall, "ended": h.ended if code is not None else None,
+                "activity": self._activity(h), "preempted": self._preempted, "phases": phases}
+
+    def _phases(self) -> dict:
+        try:
+            with open(self._timings or "") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    def _activity(self, h: HostProcess) -> float:
+        beat = 0.0
+        if self._heartbeat:
+            try:
+                beat = os.stat(self._heartbeat).st_mtime
+            except OSError:
+                pass
+        return max(h.last_line, beat)
+
+    def release(self, prewarm: bool = False, framework: str | None = None, env: dict[str, str] | None = None) -> None:
+        """The run is over: stop what is left of it; with `prewarm`, start a spare for the next."""
+        with self._lock:
+            self._end_leftover()
+            self._run_id = None
+        if prewarm and framework and env is not None:
+            self.prewarm(framework, env)
+
+    def prewarm(self, framework: str, env: dict[str, str]) -> bool:
+        """Start a spare with `framework` imported and this host's environment (minus per-run values)."""
+        run_env = {k: v for k, v in os.environ.items() if k not in _DROP}
+        run_env.update(env)
+        env0 = import_env(run_env)
+        old = self._spares.get(framework)
+        if old is not None and old[0] == env0 and old[1].alive:
+            return True
+        if old is not None:
+            old[1].terminate(0.5)
+        try:
+            spare = HostProcess([sys.executable, "-m", "tpulaunch.host.bootstrap", "--spare", framework], env0,
+                                os.getcwd(), spare=True)
+        except OSError:
+            return False
+        self._spares[framework] = (env0, spare)
+        return True
+
+    def _end_leftover(self) -> None:
+        if self._host is not None and self._host.alive:
+            self._host.push("stderr", "tpulaunch: stopping this host's process (its run is over)")
+            self._host.terminate(3.0)
+        self._host = None
+        self._cleanup_files()
+
+    def _cleanup_files(self) -> None:
+        for path in self._files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self._files = []
+
+    def _watch_driver(self) -> None:
+        """A run nobody polls (its driver killed, its head node gone) is stopped, not left running."""
+        while True:
+            time.sleep(5.0)
+            h = self._host
+            if h is not None and h.alive and time.time() - self._last_poll > DRIVER_GONE_S:
+                h.push("stderr", f"tpulaunch: nobody polled this host for {DRIVER_GONE_S:.0f} s (its launcher is"
+                                 " gone): stopping it")
+                h.terminate(self._grace_s)
+
+    # -- stopping -----------------------------------------------------------------------------
+
+    def terminate(self, grace_s: float = 3.0) -> int | None:
+        """Stop the host process group: SIGTERM, then SIGKILL after `grace_s`."""
+        h = self._host
+        return None if h is None else h.terminate(grace_s)
+
     def preempt(self, why: str) -> None:
         """This host is going away: give the script SIGTERM and the grace period, then SIGKILL."""
-        if self._preempted is not None:
+        h = self._host
+        if self._preempted is not None or h is None or not h.alive:
             return
         self._preempted = why
-        self._push("stderr", f"tpulaunch: {why}: SIGTERM to the script, {self._grace_s:g} s to save and exit")
-        threading.Thread(target=self.terminate, args=(self._grace_s,), daemon=True).start()
+        h.push("stderr", f"tpulaunch: {why}: SIGTERM to the script, {self._grace_s:g} s to save and exit")
+        threading.Thread(target=h.terminate, args=(self._grace_s,), daemon=True).start()
 
     def _on_sigterm(self, _signum: int, _frame: object) -> None:
         self.preempt("this host got SIGTERM (shutting down or preempted)")
@@ -279,12 +425,13 @@ class HostAgent:
 
     def dump_stacks(self, timeout_s: float = 20.0) -> str:
         """`py-spy dump` of the host process: every Python thread's stack, innermost frame first."""
-        p = self._proc
-        if p is None or p.poll() is not None:
+        h = self._host
+        if h is None or not h.alive:
             return "(the host process had already ended)"
         exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
         try:
-            out = subprocess.run([exe, "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=timeout_s)
+            out = subprocess.run([exe, "dump", "--pid", str(h.proc.pid)], capture_output=True, text=True,
+                                 timeout=timeout_s)
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"(py-spy dump failed: {e})"
         return out.stdout if out.returncode == 0 else f"(py-spy dump exited {out.returncode}: {out.stderr.strip()})"

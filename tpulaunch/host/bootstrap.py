@@ -8,39 +8,25 @@ process group), installs `tpulaunch.context()` / `get_mesh()`, and runs the user
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import runpy
 import sys
+import time
 import traceback
+
+_T0 = time.time()  # this interpreter's start, near enough
+_SPARE = [False]  # this process was a spare, its framework imported before the run
+_MARKER: list[int] = []  # the fd of the run's heartbeat file, held open (see _hold_run_marker)
 
 from tpulaunch.host import context as ctx_mod
 from tpulaunch.host import frameworks
 from tpulaunch.errors import ExitCode, TpulaunchError
-from tpulaunch.host.agent import PY_STDIO_ENV
+from tpulaunch.host.agent import PY_STDIO_ENV, TIMINGS_ENV
 from tpulaunch.plan.launch import HostState
 
 EXIT_BOOT_FAILED = ExitCode.BOOT_FAILED  # the host could not start the framework or build the mesh
-
-
-def _context(state: HostState) -> ctx_mod.RunContext:
-    return ctx_mod.RunContext(
-        run_id=state.run_id,
-        process_index=state.process_index,
-        num_processes=state.num_processes,
-        worker_id=state.worker_id,
-        slice_index=state.slice_index,
-        num_slices=state.num_slices,
-        slice_name=state.slice_name,
-        accelerator_type=state.accelerator_type,
-        topology=state.topology,
-        coordinator_address=state.coordinator_address,
-        framework=state.framework,
-        emulated=state.emulated,
-        log_dir=state.log_dir,
-        mesh_plan=state.mesh,
-        restart_count=state.restart_count,
-    )
 
 
 def _exit_code(code: object) -> int:
@@ -70,14 +56,56 @@ def _own_stdio() -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
+def _hold_run_marker() -> None:
+    """Keep the run's heartbeat file open for life: /proc/<pid>/fd names the run this process serves."""
+    path = os.environ.get(ctx_mod.HEARTBEAT_ENV)
+    if path:
+        try:
+            _MARKER.append(os.open(path, os.O_RDONLY))
+        except OSError:
+            pass
+
+
+def _record_phases(phases: dict[str, float]) -> None:
+    """How long this host took to import, boot and build the mesh (the run's summary shows it)."""
+    path = os.environ.get(TIMINGS_ENV)
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump(phases, f)
+        except OSError:
+            pass
+
+
+def boot(state: HostState) -> dict[str, float]:
+    """Import and boot the framework, build the mesh, install `context()`/`get_mesh()`.
+
+    What every host process does before user code, under `tpulaunch run` and in a Ray Train
+    worker alike. Raises what the adapter raises; returns how long each phase took.
+    """
+    fw = frameworks.get(state.framework)
+    t0 = time.time()
+    fw.preload()
+    t1 = time.time()
+    fw.boot(state)
+    t2 = time.time()
+    mesh = fw.build_mesh(state.mesh, state)
+    ctx_mod._install(ctx_mod.RunContext.from_state(state), mesh)
+    return {"started_s": t0 - _T0, "import_s": t1 - t0, "boot_s": t2 - t1, "mesh_s": time.time() - t2}
+
+
 def main(argv: list[str]) -> int:
-    _own_stdio()
+    _own_stdio()  # a second call (after wait_as_spare) finds the pipes set up and only line-buffers
+    _hold_run_marker()
     with open(argv[0], "rb") as f:
         state: HostState = pickle.load(f)
     fw = frameworks.get(state.framework)
     try:
-        fw.boot(state)
-        mesh = fw.build_mesh(state.mesh, state)
+        phases = boot(state)
+        started = phases.pop("started_s")
+        if not _SPARE[0]:  # a spare imported before its run came: the run paid only what was left
+            phases["import_s"] += started
+        _record_phases({**phases, "spare": float(_SPARE[0])})
     except TpulaunchError as e:
         print(f"tpulaunch: host {state.process_index}: {e.line()}", file=sys.stderr)
         return EXIT_BOOT_FAILED
@@ -85,7 +113,6 @@ def main(argv: list[str]) -> int:
         print(f"tpulaunch: host {state.process_index}: framework boot failed", file=sys.stderr)
         traceback.print_exc()
         return EXIT_BOOT_FAILED
-    ctx_mod._install(_context(state), mesh)
     ctx_mod.heartbeat()  # booted: a sign of life for --stall-timeout before the script prints
     script = os.path.abspath(state.script)
     sys.argv = [script, *state.args]
@@ -108,9 +135,34 @@ def main(argv: list[str]) -> int:
     return code
 
 
+def wait_as_spare(framework: str) -> list[str] | None:
+    """A spare: import the framework now, then wait for a run (its state, env and cwd on stdin).
+
+    Nothing here touches the runtime (no PJRT client, no chips): on a TPU host the chips stay free
+    until the run's own boot. Returns main()'s argv, or None when the agent let the spare go.
+    """
+    import json
+
+    _own_stdio()
+    frameworks.get(framework).preload()
+    _SPARE[0] = True
+    line = sys.stdin.buffer.readline()
+    if not line.strip():
+        return None
+    payload = json.loads(line)
+    os.environ.update(payload["env"])
+    os.chdir(payload["cwd"])
+    return [payload["state"]]
+
+
 if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if argv[:1] == ["--spare"]:
+        argv = wait_as_spare(argv[1])
+        if argv is None:
+            os._exit(0)
     # os._exit: skip interpreter teardown, where PJRT/gloo threads can hang after a clean run.
-    rc = main(sys.argv[1:])
+    rc = main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpulaunch.errors import LaunchError
 from tpulaunch.plan.mesh import MeshPlan
+
+if TYPE_CHECKING:
+    from tpulaunch.plan.launch import HostState
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,17 @@ class RunContext:
     log_dir: str
     mesh_plan: MeshPlan
     restart_count: int = 0  # 0 on the first attempt; resume from your checkpoint when > 0
+
+    @staticmethod
+    def from_state(state: "HostState") -> "RunContext":
+        """The context of the host a HostState describes."""
+        return RunContext(
+            run_id=state.run_id, process_index=state.process_index, num_processes=state.num_processes,
+            worker_id=state.worker_id, slice_index=state.slice_index, num_slices=state.num_slices,
+            slice_name=state.slice_name, accelerator_type=state.accelerator_type, topology=state.topology,
+            coordinator_address=state.coordinator_address, framework=state.framework, emulated=state.emulated,
+            log_dir=state.log_dir, mesh_plan=state.mesh, restart_count=state.restart_count,
+        )
 
     @property
     def is_coordinator(self) -> bool:

@@ -23,6 +23,23 @@ MEGASCALE_PORT = 8081  # libtpu's DCN coordinator port (Ray and MaxText use the 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def default_compile_cache(framework: str, topology: Topology, num_slices: int, emulated: bool) -> str:
+    """`~/.cache/tpulaunch/xla-cache/<framework>/<slice>`, on each host's own disk (`~` is the host's).
+
+    Emulated slices get their own directory: CPU compilations are no use on a TPU, and back.
+    """
+    key = f"{'emulated-' if emulated else ''}{topology.accelerator_type}-{topology.topology}"
+    if num_slices > 1:
+        key += f"-x{num_slices}"
+    return f"~/.cache/tpulaunch/xla-cache/{framework}/{key}"
+
+
+def run_marker(run_id: str) -> str:
+    """The start of a file name every host process of run `run_id` holds open: /proc/<pid>/fd says
+    which run a process serves, even a spare whose environment predates the run."""
+    return f"tpulaunch-run-{run_id}-"
+
+
 def new_run_id() -> str:
     """Sortable and unique: `20261121-223012-3f9a`."""
     now = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -68,6 +85,7 @@ class LaunchPlan:
     workdir: str
     command: tuple[str, ...] = ()  # set for `tpulaunch exec`: run this instead of a script
     attempt: int = 0  # 0, then 1, 2, ... when the whole slice is restarted
+    compile_cache: str | None = None  # persistent XLA compilation cache dir on each host ("~" is the host's)
 
     @property
     def topology(self) -> Topology:
@@ -105,6 +123,7 @@ class LaunchPlan:
             "log_dir": self.log_dir,
             "workdir": self.workdir,
             "attempt": self.attempt,
+            "compile_cache": self.compile_cache,
             "topology": self.topology.to_dict(with_hosts=False),
             "num_slices": self.mesh.num_slices,
             "slices": [s.to_dict() for s in self.slices],
@@ -137,6 +156,7 @@ class HostState:
     command: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
     restart_count: int = 0
+    compile_cache: str | None = None
 
     @staticmethod
     def for_host(plan: LaunchPlan, host: HostLaunch) -> "HostState":
@@ -160,6 +180,7 @@ class HostState:
             mesh=plan.mesh,
             command=plan.command,
             restart_count=plan.attempt,
+            compile_cache=plan.compile_cache,
         )
 
 
@@ -183,6 +204,7 @@ def build_plan(
     log_dir: str,
     workdir: str,
     command: tuple[str, ...] = (),
+    compile_cache: str | None = None,
 ) -> LaunchPlan:
     """Plan a launch: one HostLaunch per TPU host of every slice, with its full environment.
 
@@ -276,4 +298,5 @@ def build_plan(
         log_dir=log_dir,
         workdir=workdir,
         command=command,
+        compile_cache=compile_cache,
     )

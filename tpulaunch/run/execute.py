@@ -3,7 +3,8 @@
 1. Reserve one placement-group bundle per host of every slice, all or nothing; bundle `i` carries
    the label selector `ray.io/tpu-slice-name=<slice>, ray.io/tpu-worker-id=<worker>`, so the
    agent of process `i` lands on TPU worker `i` (physical order), never wherever Ray had room.
-2. Start one HostAgent per bundle, check its node labels, hand it its pickled HostState.
+2. Find (or start) the long-lived HostAgent of each host, check its node labels, hand it its
+   pickled HostState; an agent with a spare process of the same environment skips the import.
 3. Supervise: one long-poll in flight per agent, so a dead agent or node is known as that host's
    death (`node lost`, `agent died`), never mistaken for its peers'. Lines stream to the sink and
    to `attempt-<k>/host-<i>.log`. The first failure (a non-zero exit, a lost host, a preemption)
@@ -25,7 +26,7 @@ from typing import Protocol
 from tpulaunch.discover.ray_labels import SLICE as LABEL_SLICE
 from tpulaunch.discover.ray_labels import WORKER as LABEL_WORKER
 from tpulaunch.errors import ClusterError
-from tpulaunch.host.agent import HostAgent, dumps_state
+from tpulaunch.host.agent import agent_for, dumps_state
 from tpulaunch.plan.launch import HostState, LaunchPlan
 from tpulaunch.run import summary as S
 
@@ -58,6 +59,8 @@ class Limits:
     stall_timeout_s: float | None = None  # no output or heartbeat from any host for this long
     kill_stale: bool = False
     watch_preemption: bool = False  # ask the metadata server for preemption notices
+    keep_warm: bool = False  # the cluster outlives the run: leave a spare process on every host
+    debug: bool = False  # say more (why a host did not get a spare)
 
 
 def _diagnose(plan: LaunchPlan) -> str:
@@ -107,7 +110,7 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
                 )
         else:
             run.timings["schedule_s"] = time.time() - t0
-            run.start_agents(pg)
+            run.start_agents()
             run.timings["agents_s"] = time.time() - t0
             if run.interrupts.received is None:
                 sink.progress(f"running on {len(plan.hosts)} host(s)" + (f", attempt {plan.attempt}" if plan.attempt else ""))
@@ -121,11 +124,7 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
         for f in logs.values():
             f.close()
         if not run.head_lost:  # with the head gone every Ray call would wait for it, then kill us
-            for a in run.agents:
-                try:
-                    ray.kill(a, no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
+            run.release()
             if pg is not None:
                 try:
                     remove_placement_group(pg)
@@ -169,17 +168,11 @@ class _Supervision:
                 return True
         return False
 
-    def start_agents(self, pg: object) -> None:
+    def start_agents(self) -> None:
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        plan, topo = self.plan, self.plan.topology
-        actor_cls = ray.remote(HostAgent)
-        for i, h in enumerate(plan.hosts):
-            self.agents.append(actor_cls.options(
-                resources={"TPU": float(topo.chips_per_host)}, num_cpus=0, max_concurrency=4, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(h.process_index))
+        plan = self.plan
+        # One long-lived agent per host, found again by later runs (with a spare process ready).
+        self.agents = [agent_for(h.slice_name, h.worker_id) for h in plan.hosts]
         self.sink.progress("starting host agents")
         infos_ref = [a.info.remote() for a in self.agents]
         if not self.wait_ready_all(infos_ref, self.limits.schedule_timeout_s):
@@ -200,10 +193,16 @@ class _Supervision:
                     "the cluster's TPU labels are inconsistent; restart it",
                 )
         cwd = plan.workdir if plan.emulated else None  # emulated hosts run in place
-        ray.get([a.start.remote(dumps_state(HostState.for_host(plan, h)), h.env, list(plan.command) or None,
-                                not plan.emulated, self.limits.kill_stale, cwd, self.limits.watch_preemption,
-                                self.limits.preemption_grace_s)
-                 for a, h in zip(self.agents, plan.hosts)])
+        started = ray.get([a.start.remote(
+            dumps_state(HostState.for_host(plan, h)), h.env, run_id=plan.run_id, command=list(plan.command) or None,
+            framework=plan.framework, check_tpu=not plan.emulated, kill_stale=self.limits.kill_stale, cwd=cwd,
+            watch_preemption=self.limits.watch_preemption, grace_s=self.limits.preemption_grace_s)
+            for a, h in zip(self.agents, plan.hosts)])
+        warm = sum(1 for s in started if s["prewarmed"])
+        self.timings["prewarmed_hosts"] = warm
+        if warm < len(started):
+            why = next(s["why"] for s in started if not s["prewarmed"])
+            self.debug(f"{len(started) - warm} host(s) started a fresh process: {why}")
         self.pending = set(range(len(self.agents)))
         now = time.time()
         for r in self.hosts:
@@ -262,6 +261,7 @@ class _Supervision:
                     self._fail_fast(i, f"host {self.plan.hosts[i].process_index} is preempted ({got['preempted']})",
                                     grace=self.limits.preemption_grace_s)
                 if got["code"] is not None:
+                    self.hosts[i].phases = got.get("phases") or {}
                     self._ended(i, got["code"], got["ended"])
 
     def _check_stop_conditions(self, activity: dict[int, float]) -> bool:
@@ -413,6 +413,21 @@ class _Supervision:
 
             stop_run_processes(self.plan.run_id, self.limits.grace_s)
         self.pending.clear()
+
+    def release(self) -> None:
+        """Every agent forgets the run; on a cluster that stays up each starts a spare for the next."""
+        import ray
+
+        warm = self.limits.keep_warm and not self.plan.command
+        refs = [a.release.remote(warm, self.plan.framework, h.env) for a, h in zip(self.agents, self.plan.hosts)]
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=15)
+        except Exception:  # noqa: BLE001 - an agent lost with its node
+            pass
+
+    def debug(self, message: str) -> None:
+        if self.limits.debug:
+            self.sink.progress(message)
 
     # -- the result ----------------------------------------------------------------------------
 

@@ -21,12 +21,13 @@ import threading
 import time
 from pathlib import Path
 
-from tpulaunch.cluster import emulated
+from tpulaunch.cluster import emulated, reaper
 from tpulaunch.cluster.connect import connect, disconnect, ray_output_to
 from tpulaunch.cluster.ports import free_port
 from tpulaunch.cluster.processes import stop_run_processes
-from tpulaunch.cluster.record import ClusterInfo
+from tpulaunch.cluster.record import ClusterInfo, load_record, save_record
 from tpulaunch.errors import ExitCode, LaunchError
+from tpulaunch.host.agent import agent_for
 from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.run import summary as S
 from tpulaunch.run.execute import Limits, Sink, execute
@@ -67,7 +68,8 @@ class Interrupts:
             signal.signal(sig, old)  # type: ignore[arg-type]
 
 
-def launch(prep: Prepared, sink: Sink, *, dashboard: bool = False, quiet_ray: bool = False) -> S.RunSummary:
+def launch(prep: Prepared, sink: Sink, *, dashboard: bool = False, quiet_ray: bool = False,
+           debug: bool = False) -> S.RunSummary:
     """Get a cluster, run the attempts, clean up; returns (and writes) the run's summary."""
     plan, req = prep.plan, prep.request
     run_dir = Path(plan.log_dir)
@@ -76,13 +78,15 @@ def launch(prep: Prepared, sink: Sink, *, dashboard: bool = False, quiet_ray: bo
     limits = Limits(
         schedule_timeout_s=req.schedule_timeout, preemption_grace_s=req.preemption_grace,
         deadline=t0 + req.timeout if req.timeout else None, stall_timeout_s=req.stall_timeout,
-        kill_stale=req.kill_stale,
+        kill_stale=req.kill_stale, debug=debug, keep_warm=prep.cluster is not None or req.keep_cluster,
         watch_preemption=not plan.emulated or any("TPULAUNCH_METADATA_HOST" in h.env for h in plan.hosts),
     )
     attempts: list[S.Attempt] = []
+    phases: dict[str, float] = {}  # launch-level timings (the attempts add theirs)
     budget = {"restarts": 0, "preemptions": 0}
     note: str | None = None
     owned: ClusterInfo | None = None
+    cluster: ClusterInfo | None = None
     interrupted: int | None = None
     with Interrupts() as sigs, ray_output_to(run_dir / "ray.log", quiet_ray):
         try:
@@ -97,9 +101,18 @@ def launch(prep: Prepared, sink: Sink, *, dashboard: bool = False, quiet_ray: bo
                     f"starting an emulated Ray cluster: {len(plan.hosts)} host node(s) for "
                     f"{plan.mesh.num_slices} x {plan.topology.accelerator_type} ({plan.topology.topology})"
                 )
+                t = time.monotonic()
+                early: list = []
                 owned = cluster = emulated.start_emulated(list(plan.slices), plan.topology, dashboard=dashboard,
-                                                          progress=sink.progress)
-            connect(cluster, prep.runtime_env)
+                                                          progress=sink.progress, on_head=lambda c: _early(c, plan, early))
+                _wait(early, 60.0)  # every spare spawned before its host's start() can look for it
+                phases["cluster_start_s"] = time.monotonic() - t
+            else:
+                t = time.monotonic()
+                connect(cluster, prep.runtime_env)
+                phases["connect_s"] = time.monotonic() - t
+            if cluster.temp_dir:
+                reaper.touch(cluster.temp_dir)
             sigs.raise_now = False
             note = _attempts(plan, req, sink, limits, sigs, cluster, attempts, budget)
         except Interrupted as e:
@@ -107,12 +120,44 @@ def launch(prep: Prepared, sink: Sink, *, dashboard: bool = False, quiet_ray: bo
         finally:
             sigs.raise_now = False
             disconnect()
-            if owned is not None:
+            if owned is not None and not (req.keep_cluster and interrupted is None and _keep(owned, req, sink)):
                 sink.progress("stopping the emulated Ray cluster")
                 emulated.stop_cluster(owned)
+            elif cluster is not None and cluster.temp_dir:
+                reaper.touch(cluster.temp_dir)
             if plan.emulated:
                 stop_run_processes(plan.run_id)  # a host Ray could no longer reach (its node lost)
-    return _summary(prep, attempts, budget, note, interrupted, time.monotonic() - t0)
+    return _summary(prep, attempts, budget, note, interrupted, time.monotonic() - t0, phases)
+
+
+def _early(cluster: ClusterInfo, plan: LaunchPlan, refs: list) -> None:
+    """The head of a new emulated cluster is up: connect, and let each host's agent start its
+    framework import as soon as its node joins, while the other nodes are still starting."""
+    connect(cluster)
+    if not plan.command:
+        refs.extend(agent_for(h.slice_name, h.worker_id).prewarm.remote(plan.framework, h.env) for h in plan.hosts)
+
+
+def _wait(refs: list, timeout_s: float) -> None:
+    import ray
+
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+
+def _keep(cluster: ClusterInfo, req, sink: Sink) -> bool:  # noqa: ANN001
+    """Leave the cluster this run started up for the next runs (`--keep-cluster`), if none is recorded."""
+    rec = load_record()
+    if rec is not None and (rec.running_here or rec.remote):
+        sink.progress(f"not keeping the emulated cluster: another one is recorded as up ({rec.address})")
+        return False
+    cluster.kept, cluster.idle_timeout = True, req.idle_timeout
+    save_record(cluster)
+    assert cluster.temp_dir is not None
+    reaper.start(cluster.temp_dir, req.idle_timeout)
+    sink.progress(f"kept the emulated cluster at {cluster.address} for the next runs (stops after"
+                  f" {req.idle_timeout:g} s unused; `tpulaunch cluster down` stops it now)")
+    return True
 
 
 def _attempts(plan: LaunchPlan, req, sink: Sink, limits: Limits, sigs: Interrupts, cluster: ClusterInfo,  # noqa: ANN001
@@ -192,7 +237,7 @@ def _wait_for_slice(plan: LaunchPlan, cluster: ClusterInfo, wait_s: float, sigs:
 
 
 def _summary(prep: Prepared, attempts: list[S.Attempt], budget: dict[str, int], note: str | None,
-             interrupted: int | None, wall_s: float) -> S.RunSummary:
+             interrupted: int | None, wall_s: float, phases: dict[str, float]) -> S.RunSummary:
     plan = prep.plan
     last = attempts[-1] if attempts else None
     if last is None:
@@ -205,7 +250,7 @@ def _summary(prep: Prepared, attempts: list[S.Attempt], budget: dict[str, int], 
         run_id=plan.run_id, exit_code=code, emulated=plan.emulated,
         slices=[s.to_dict() for s in plan.slices], mesh=plan.mesh.to_dict(devices=False),
         hosts=last.hosts if last else [], first_failure=last.first_failure if last else None,
-        log_dir=plan.log_dir, wall_s=wall_s, timings=last.timings if last else {},
+        log_dir=plan.log_dir, wall_s=wall_s, timings={**phases, **(last.timings if last else {})},
         interrupted=signal.Signals(signum).name if outcome == S.INTERRUPTED and signum else None,
         outcome=outcome, attempts=[a.to_dict() for a in attempts], restarts=budget["restarts"],
         preemptions=budget["preemptions"], note=(last.note if last and last.note else note),

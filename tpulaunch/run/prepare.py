@@ -13,10 +13,10 @@ from pathlib import Path
 from tpulaunch import discover
 from tpulaunch.cluster.connect import connect, disconnect, ray_output_to, resolve_address
 from tpulaunch.cluster.ports import free_port
-from tpulaunch.cluster.record import ClusterInfo, state_dir
-from tpulaunch.errors import LaunchError
+from tpulaunch.cluster.record import ClusterInfo, load_record, state_dir
+from tpulaunch.errors import LaunchError, TpulaunchError
 from tpulaunch.host import frameworks
-from tpulaunch.plan.launch import LaunchPlan, build_plan, new_run_id, parse_env
+from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache, new_run_id, parse_env
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec
 
@@ -59,6 +59,10 @@ class LaunchRequest:
     max_preemptions: int = 0  # relaunches after a host was lost or preempted
     preemption_wait: float = 600.0  # how long to wait for the slice to be whole again
     preemption_grace: float = 30.0  # a preempted script's time between SIGTERM and SIGKILL
+    compile_cache: str | None = None  # persistent compilation cache dir; None: the default one
+    no_compile_cache: bool = False
+    keep_cluster: bool = False  # leave an emulated cluster this run starts up for the next runs
+    idle_timeout: float = 1800.0  # ... and stop it after this long unused
 
     def slice_request(self) -> discover.SliceRequest:
         return discover.SliceRequest(
@@ -106,6 +110,12 @@ def prepare(req: LaunchRequest) -> Prepared:
             raise LaunchError(f"script {script} is outside the working directory {workdir}",
                               "run from the directory that holds it, or pass --workdir") from None
     cluster = resolve_address(req.address)
+    notes: list[str] = []
+    if cluster is None and req.address is None:
+        cluster = _warm_cluster_for(req)
+        if cluster is not None:
+            notes.append(f"running on the emulated cluster already up at {cluster.address}"
+                         " (`tpulaunch cluster down` stops it)")
     resolved = discover.resolve(req.slice_request(), cluster_slices(cluster, req))
     emulated = resolved.emulated or (cluster is not None and cluster.emulated)
     # Checked here so an oversized directory is refused before anything starts, emulated too (the
@@ -128,13 +138,31 @@ def prepare(req: LaunchRequest) -> Prepared:
         emulation_port=free_port() if emulated else None,
         metadata_server=(resolved.source in ("metadata", "ray")), distributed=req.distributed and not req.command,
         log_dir=str((Path(req.log_dir) / run_id).resolve()), workdir=str(workdir), command=tuple(req.command),
+        compile_cache=None if (req.no_compile_cache or req.command) else (
+            req.compile_cache or default_compile_cache(fw, resolved.topology, resolved.num_slices, emulated)),
     )
-    return Prepared(plan, resolved, cluster, reason, req, runtime_env, resolved.notes)
+    return Prepared(plan, resolved, cluster, reason, req, runtime_env, (*resolved.notes, *notes))
+
+
+def _warm_cluster_for(req: LaunchRequest) -> ClusterInfo | None:
+    """An emulated cluster tpulaunch left running here (`cluster up`, `run --keep-cluster`) that
+    holds exactly the slices asked for: a run with no --address takes it instead of starting one."""
+    if req.tpu or req.queued_resource:
+        return None
+    rec = load_record()
+    if rec is None or not rec.emulated or not rec.running_here:
+        return None
+    try:
+        discover.resolve(req.slice_request(), cluster_slices(rec, req))
+    except TpulaunchError:
+        return None  # another slice: start a cluster of its own
+    return rec
 
 
 def _check_numbers(req: LaunchRequest) -> None:
     """Numeric flags that Typer parses but cannot judge."""
     positive = [("--schedule-timeout", req.schedule_timeout, "seconds"), ("--max-upload-mb", req.max_upload_mb, "MiB"),
+                ("--idle-timeout", req.idle_timeout, "seconds"),
                 ("--timeout", req.timeout, "seconds"), ("--stall-timeout", req.stall_timeout, "seconds")]
     for flag, value, unit in positive:
         if value is not None and not value > 0:

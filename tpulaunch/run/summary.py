@@ -49,6 +49,7 @@ class HostResult:
     preempted: str | None = None
     ended_at: float | None = None  # when the host process ended (its host's clock)
     last_seen: float | None = None  # when the driver last heard from it (driver clock)
+    phases: dict = field(default_factory=dict)  # import_s, boot_s, mesh_s (from the host's bootstrap)
 
 
 @dataclass

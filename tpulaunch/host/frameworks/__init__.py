@@ -32,6 +32,9 @@ class Framework(Protocol):
     def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
         """Env a host process needs to emulate its TPU host on CPU (pure, driver side)."""
 
+    def preload(self) -> None:
+        """Import the framework without starting its runtime (a spare host process waits so)."""
+
     def boot(self, state: "HostState") -> None:
         """Start the runtime in the host process, before any user code touches it."""
 

@@ -43,9 +43,18 @@ class Jax:
             "PJRT_DEVICE": "CPU",  # harmless for JAX; keeps torch_xla (if imported too) off the TPU path
         }
 
+    def preload(self) -> None:
+        import jax  # noqa: F401
+        import jax.numpy  # noqa: F401
+        import jax.sharding  # noqa: F401
+
     def boot(self, state: "HostState") -> None:
         import jax
 
+        if state.compile_cache:
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(state.compile_cache))
+            if state.emulated:  # CPU compilations are quick; cache them anyway
+                jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
             # gloo carries cross-process collectives between CPU devices (emulation); on a TPU it
             # only affects the host CPU backend. Must be set before the backends start.

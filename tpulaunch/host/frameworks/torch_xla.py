@@ -12,6 +12,7 @@ as host `i` of `N` would. The gloo process group across hosts is real (`torch_di
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from tpulaunch.errors import MeshMismatchError
@@ -30,6 +31,15 @@ class TorchXLA:
     def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
         return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(topology.devices * num_slices)}
 
+    def preload(self) -> None:
+        import torch.distributed  # noqa: F401
+        import torch_xla  # noqa: F401
+        import torch_xla.core.xla_model  # noqa: F401
+        import torch_xla.distributed.parallel_loader  # noqa: F401
+        import torch_xla.distributed.spmd  # noqa: F401
+        import torch_xla.experimental.distributed_checkpoint  # noqa: F401
+        import torch_xla.runtime  # noqa: F401
+
     def boot(self, state: "HostState") -> None:
         import torch_xla  # noqa: F401  (registers the XLA device)
         import torch_xla.runtime as xr
@@ -39,6 +49,12 @@ class TorchXLA:
         xr.use_spmd()
         xr.use_spmd = _spmd_already_on(xr.use_spmd)
         _save_each_local_shard_once()
+        if state.compile_cache and not state.emulated:
+            # Not on emulated hosts: torch_xla 2.9's CPU client cannot load a cached executable
+            # ("Deserializing serialized executable not supported"); it would only warn each compile.
+            path = os.path.expanduser(state.compile_cache)
+            os.makedirs(path, exist_ok=True)
+            xr.initialize_cache(path)
         if state.emulated:
             from tpulaunch.host.frameworks import torch_xla_emulation
 

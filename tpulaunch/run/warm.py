@@ -1,0 +1,37 @@
+"""Leave every host of a cluster with a spare process ready, before any run (`cluster up`).
+
+After each run on a cluster that stays up, the host agents start spares themselves. Right after
+`cluster up` there has been no run yet: this starts the agents and their spares with the
+environment a plain `tpulaunch run SCRIPT` of that slice gets, so the first run is warm too.
+"""
+
+from __future__ import annotations
+
+from tpulaunch.cluster.connect import connect, disconnect
+from tpulaunch.cluster.record import ClusterInfo
+from tpulaunch.host import frameworks
+from tpulaunch.host.agent import agent_for
+from tpulaunch.plan.launch import build_plan
+from tpulaunch.plan.mesh import plan_mesh
+from tpulaunch.plan.slicespec import SliceSpec
+
+
+def prewarm_cluster(info: ClusterInfo, framework: str = "torch_xla", timeout_s: float = 60.0) -> int:
+    """Start every host's agent with a spare importing `framework`; returns how many hosts."""
+    slices = [SliceSpec.from_dict(d) for d in info.slices]
+    topo = slices[0].to_topology()
+    fw = frameworks.get(framework)
+    plan = build_plan(
+        slices=slices, mesh=plan_mesh(topo, num_slices=len(slices)), script="-", framework=framework, run_id="-",
+        coordinator_port=1, jax_coordinator_port=1 if framework == "jax" else None, emulated=info.emulated,
+        emulation_env=fw.emulation_env(topo, len(slices)), emulation_port=1, log_dir="-", workdir="-",
+    )
+    connect(info)  # before importing Ray: it reads its auth settings from the environment
+    import ray
+
+    try:
+        refs = [agent_for(h.slice_name, h.worker_id).prewarm.remote(framework, h.env) for h in plan.hosts]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    finally:
+        disconnect()
+    return len(plan.hosts)
