@@ -24,6 +24,7 @@ ALLOWED = {
     "host": {"plan", "discover"},  # discover.metadata: preemption notices
     "run": {"plan", "discover", "cluster", "host"},
     "cli": {"plan", "discover", "cluster", "host", "run", "gcloud"},
+    "ray_train": {"plan", "discover", "cluster", "host"},  # Ray Train's backend: run's twin for trainers
 }
 
 

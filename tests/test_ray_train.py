@@ -1,0 +1,278 @@
+"""Ray Train on an emulated slice: `TorchTrainer` / `JaxTrainer` with tpulaunch's backends.
+
+The planning from worker labels is tested as a pure function; the rest runs real Ray Train
+drivers (`eval "$(tpulaunch cluster env)"; python driver.py`) on the shared emulated 2x8
+cluster: 4 hosts of 4 chips, ranks in whatever order Ray places them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+from tpulaunch.errors import LaunchError, MeshError
+from tpulaunch.ray_train import JaxSpmdConfig, WorkerFacts, XlaSpmdConfig, plan_for_workers
+
+
+def _facts(order: list[int], slices: tuple[str, ...] = ("s",), pod="v6e-16", topo="4x4", tpu=False) -> list[WorkerFacts]:
+    """Workers in rank order, placed on (slice, worker id) in `order` (index into all hosts)."""
+    hosts = [(s, w) for s in slices for w in range(len(order) // len(slices))]
+    return [WorkerFacts(rank=r, ip=f"10.0.0.{10 + i}", slice_name=hosts[i][0], worker_id=hosts[i][1],
+                        pod_type=pod, topology=topo, tpu_devices=tpu) for r, i in enumerate(order)]
+
+
+def test_process_index_is_the_tpu_worker_id_not_the_rank():
+    facts = _facts([3, 0, 1, 2])
+    plan, states = plan_for_workers(facts, framework="torch_xla", mesh=None, dcn=None, run_id="r", ports=[5001, 5002, 5003])
+    assert {r: s.process_index for r, s in states.items()} == {0: 3, 1: 0, 2: 1, 3: 2}
+    assert all(s.worker_id == s.process_index for s in states.values())
+    assert plan.coordinator_address == "10.0.0.10:5001"  # process 0 (worker 0) is rank 1, on 10.0.0.10
+    assert plan.emulated and plan.mesh.shape == (4, 4) and plan.mesh.axis_names == ("data", "model")
+    env = {h.process_index: h.env for h in plan.hosts}
+    assert [env[i]["TPU_WORKER_ID"] for i in range(4)] == ["0", "1", "2", "3"]
+    assert env[2]["RANK"] == "2" and env[2]["PJRT_DEVICE"] == "CPU" and env[2]["CPU_NUM_DEVICES"] == "16"
+    assert env[0]["TPULAUNCH_EMULATION_PORT"] == "5003"
+
+
+def test_multislice_is_slice_major_in_slice_name_order():
+    facts = _facts([5, 4, 0, 1, 3, 2, 7, 6], slices=("b", "a"), pod="v4-32", topo="2x2x4")
+    plan, states = plan_for_workers(facts, framework="jax", mesh=None, dcn="data=2", run_id="r", ports=[1, 2, 3])
+    by_proc = {s.process_index: (s.slice_name, s.worker_id) for s in states.values()}
+    assert by_proc == {p: ("ab"[p // 4], p % 4) for p in range(8)}
+    assert [h.env["MEGASCALE_SLICE_ID"] for h in plan.hosts] == ["0"] * 4 + ["1"] * 4
+    assert plan.hosts[0].env["JAX_COORDINATOR_ADDRESS"] == f"{plan.hosts[0].ip}:2"
+    assert plan.hosts[0].slice_name == "a" and plan.mesh.shape[0] == 2 * 4
+
+
+def test_restart_attempt_is_counted_and_real_tpus_are_not_emulated():
+    plan, states = plan_for_workers(_facts([0, 1, 2, 3], tpu=True), framework="torch_xla", mesh="data=2,model=8",
+                                    dcn=None, run_id="r", ports=[1, 2, 3], attempt=2)
+    assert not plan.emulated and plan.hosts[0].env["PJRT_DEVICE"] == "TPU"
+    assert "TPU_SKIP_MDS_QUERY" not in plan.hosts[0].env  # real hosts ask their metadata server
+    assert {s.restart_count for s in states.values()} == {2}
+    assert plan.mesh.shape == (2, 8)
+
+
+@pytest.mark.parametrize("facts, words", [
+    (_facts([0, 1, 2, 3])[:3], "has Ray Train workers on TPU workers [0, 1, 2]"),  # a host without a worker
+    ([*_facts([0, 1, 2, 3])[:3], WorkerFacts(3, "10.0.0.11", "s", 1, "v6e-16", "4x4", False)],
+     "on TPU workers [0, 1, 1, 2]"),  # two workers on one host
+    ([WorkerFacts(0, "10.0.0.1", None, None, None, None, False)], "which has no TPU labels"),
+])
+def test_workers_that_are_not_one_per_host_are_refused(facts, words):
+    with pytest.raises(LaunchError) as e:
+        plan_for_workers(facts, framework="torch_xla", mesh=None, dcn=None, run_id="r", ports=[1, 2, 3])
+    assert words in e.value.line()
+
+
+def test_bad_mesh_syntax_fails_on_the_driver():
+    with pytest.raises(MeshError):
+        XlaSpmdConfig(mesh="data=four")
+    with pytest.raises(MeshError):
+        JaxSpmdConfig(dcn="data")
+    assert XlaSpmdConfig().backend  # non-empty: TorchTrainer must not swap in "tpu_dist"
+
+
+def test_importing_tpulaunch_does_not_import_ray_train():
+    code = "import sys, tpulaunch; print('ray.train' in sys.modules, 'ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+# -- real Ray Train runs on the shared emulated cluster -------------------------------------------
+
+DRIVER = '''
+import json, os, sys
+
+import ray
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from ray.train.v2.jax import JaxTrainer
+
+from tpulaunch.ray_train import JaxSpmdConfig, XlaSpmdConfig
+
+OUT = sys.argv[1]
+SCALING = dict(num_workers=4, use_tpu=True, topology="2x8", accelerator_type="TPU-V6E", resources_per_worker={"TPU": 4})
+
+
+def torch_loop(config):
+    import torch
+    import torch.distributed as dist
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+    import ray.train
+    import tpulaunch
+
+    ctx = tpulaunch.context()
+    mesh = tpulaunch.get_mesh()
+    if ctx.worker_id == config.get("fail_worker") and ctx.restart_count == 0:
+        raise RuntimeError("this worker fails on its first attempt")
+    total = torch.tensor([float(ctx.process_index)])
+    dist.all_reduce(total)
+    x = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8)
+    w = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4)
+    xd = x.to(torch_xla.device())
+    xs.mark_sharding(xd, mesh, ("data", "model"))
+    got = (xd @ w.to(torch_xla.device())).sum(dim=1).cpu()
+    rec = dict(tag=config["tag"], rank=ray.train.get_context().get_world_rank(), process_index=ctx.process_index,
+               tpu_worker_id=int(os.environ["TPU_WORKER_ID"]), allreduce=total.item(), restart=ctx.restart_count,
+               mesh=[list(mesh.mesh_shape), list(mesh.axis_names)], exact=bool(torch.equal(got, (x @ w).sum(dim=1))),
+               xr=[xr.process_index(), xr.process_count()], dist=[dist.get_rank(), dist.get_world_size()])
+    with open(os.path.join(OUT, f"{config['tag']}-{ctx.restart_count}-{ctx.process_index}.json"), "w") as f:
+        json.dump(rec, f)
+    print(f"process {ctx.process_index} is Ray Train rank {rec['rank']}", flush=True)
+
+
+def jax_loop(config):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import tpulaunch
+
+    ctx = tpulaunch.context()
+    mesh = tpulaunch.get_mesh()
+    x = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("data", "model")), lambda i: x[i])
+    total = float(jax.jit(jnp.sum)(arr))
+    rec = dict(tag="jax", process_index=ctx.process_index, jax=[jax.process_index(), jax.process_count()],
+               tpu_worker_id=int(os.environ["TPU_WORKER_ID"]), mesh=[list(mesh.devices.shape), list(mesh.axis_names)],
+               exact=total == float(x.sum()), local=jax.local_device_count(), devices=jax.device_count())
+    with open(os.path.join(OUT, f"jax-0-{ctx.process_index}.json"), "w") as f:
+        json.dump(rec, f)
+
+
+def run(name, trainer):
+    try:
+        result = trainer.fit()
+        outcome = {"error": None if result.error is None else str(result.error)}
+    except Exception as e:
+        outcome = {"error": f"{type(e).__name__}: {e}"}
+    with open(os.path.join(OUT, f"outcome-{name}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+def rc(name, failures=0):
+    return RunConfig(name=name, storage_path=os.path.join(OUT, "storage"), failure_config=FailureConfig(max_failures=failures))
+
+
+for what in sys.argv[2:]:
+    if what.startswith("torch"):
+        run(what, TorchTrainer(torch_loop, train_loop_config={"tag": what}, torch_config=XlaSpmdConfig(),
+                               scaling_config=ScalingConfig(**SCALING), run_config=rc(what)))
+    elif what == "restart":
+        run(what, TorchTrainer(torch_loop, train_loop_config={"tag": what, "fail_worker": 2},
+                               torch_config=XlaSpmdConfig(), scaling_config=ScalingConfig(**SCALING),
+                               run_config=rc(what, failures=1)))
+    elif what == "wrong-slice":  # the runtime sees 8 devices, the slice has 16
+        run(what, TorchTrainer(torch_loop, train_loop_config={"tag": what}, scaling_config=ScalingConfig(**SCALING),
+                               torch_config=XlaSpmdConfig(env={"CPU_NUM_DEVICES": "8"}), run_config=rc(what)))
+    elif what == "jax":
+        run(what, JaxTrainer(jax_loop, jax_config=JaxSpmdConfig(), scaling_config=ScalingConfig(**SCALING),
+                             run_config=rc(what)))
+'''
+
+
+def _driver(shared_cluster, tmp: Path, *runs: str, script: str | None = None, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`eval "$(tpulaunch cluster env)"` then a plain `python driver.py`, as a user would."""
+    (tmp / "driver.py").write_text(textwrap.dedent(DRIVER))
+    target = script or str(tmp / "driver.py")
+    argv = " ".join([target, *(args or (str(tmp), *runs))])
+    cmd = f'eval "$({sys.executable} -m tpulaunch cluster env)" && exec {sys.executable} {argv}'
+    return subprocess.run(["bash", "-c", cmd], env=shared_cluster["env"], capture_output=True, text=True,
+                          timeout=900, cwd=REPO)
+
+
+def _records(tmp: Path, tag: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{tag}-*.json"))]
+
+
+@pytest.fixture(scope="module")
+def train_runs(shared_cluster, tmp_path_factory):
+    """In one driver: a TorchTrainer run, one whose worker 2 fails once, one whose runtime sees another
+    slice, and a JaxTrainer run. Each places its workers anew (Ray's rank order changes)."""
+    tmp = tmp_path_factory.mktemp("ray-train")
+    proc = _driver(shared_cluster, tmp, "torch-1", "restart", "wrong-slice", "jax")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"dir": tmp, "proc": proc}
+
+
+@pytest.mark.cluster
+def test_cluster_env_prints_what_a_driver_needs(shared_cluster):
+    proc = run_cli("cluster", "env", env=shared_cluster["env"])
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.splitlines())
+    assert lines["RAY_ADDRESS"] == shared_cluster["info"]["address"]
+    assert lines["RAY_AUTH_MODE"] == "token" and lines["RAY_AUTH_TOKEN_PATH"] == shared_cluster["info"]["token_path"]
+
+
+@pytest.mark.cluster
+def test_torch_trainer_workers_are_their_tpu_hosts(train_runs):
+    tag = "torch-1"
+    recs = _records(train_runs["dir"], tag)
+    assert json.loads((train_runs["dir"] / f"outcome-{tag}.json").read_text()) == {"error": None}
+    assert sorted(r["process_index"] for r in recs) == [0, 1, 2, 3]
+    for r in recs:
+        assert r["process_index"] == r["tpu_worker_id"]  # whatever Ray's rank was
+        assert r["allreduce"] == 6.0
+        assert r["mesh"] == [[4, 4], ["data", "model"]]
+        assert r["exact"]
+        assert r["xr"] == [r["process_index"], 4] and r["dist"] == [r["process_index"], 4]
+        assert r["restart"] == 0
+    # the workers' output reached the driver's terminal (Ray's log monitor on `cluster up` clusters;
+    # Ray folds lines that differ only in numbers, so one of the four is enough)
+    out = train_runs["proc"].stdout + train_runs["proc"].stderr
+    assert any(f"process {r['process_index']} is Ray Train rank {r['rank']}" in out for r in recs), out[-3000:]
+
+
+@pytest.mark.cluster
+def test_failure_config_restarts_the_group_with_a_new_mesh(train_runs):
+    assert json.loads((train_runs["dir"] / "outcome-restart.json").read_text()) == {"error": None}
+    first, second = _records(train_runs["dir"], "restart-0"), _records(train_runs["dir"], "restart-1")
+    assert len(first) < 4  # worker 2 failed before writing; the others may or may not have finished
+    assert sorted(r["process_index"] for r in second) == [0, 1, 2, 3]
+    for r in second:
+        assert r["restart"] == 1 and r["allreduce"] == 6.0 and r["exact"]
+        assert r["process_index"] == r["tpu_worker_id"] and r["mesh"] == [[4, 4], ["data", "model"]]
+
+
+@pytest.mark.cluster
+def test_a_worker_that_sees_another_slice_fails_with_one_line(train_runs):
+    """...and releases the slice: the JaxTrainer after it, in the same driver, gets it (Ray 2.60
+    alone would keep it reserved and the next fit() would wait forever)."""
+    error = json.loads((train_runs["dir"] / "outcome-wrong-slice.json").read_text())["error"]
+    assert "tpulaunch: host 0 (slice emulated worker 0, Ray Train rank " in error  # the first host, by index
+    assert "the runtime has 8 devices but the planned mesh {'data': 4, 'model': 4} needs 16" in error
+    assert "(and 3 more host(s))" in error
+    assert not _records(train_runs["dir"], "wrong-slice")  # no loop ran
+
+
+@pytest.mark.cluster
+def test_jax_trainer_gets_the_mesh_and_the_worker_ids(train_runs):
+    assert json.loads((train_runs["dir"] / "outcome-jax.json").read_text()) == {"error": None}
+    recs = _records(train_runs["dir"], "jax")
+    assert sorted(r["process_index"] for r in recs) == [0, 1, 2, 3]
+    for r in recs:
+        assert r["jax"] == [r["process_index"], 4] and r["process_index"] == r["tpu_worker_id"]
+        assert r["mesh"] == [[4, 4], ["data", "model"]] and r["exact"]
+        assert r["local"] == 4 and r["devices"] == 16
+
+
+@pytest.mark.cluster
+def test_the_recipe_trains_under_torch_trainer(shared_cluster, tmp_path):
+    proc = _driver(shared_cluster, tmp_path, script=str(REPO / "recipes" / "ray_train_xla.py"),
+                   args=("--steps", "12", "--storage", str(tmp_path / "storage")))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout  # Ray Train 2.60 copies a worker's prints to stderr too
+    assert "mesh {'data': 4, 'model': 4}" in out and "host 0/4 (TPU worker 0" in out
+    losses = [float(line.rsplit("loss ", 1)[1]) for line in out.splitlines() if " loss " in line and "step " in line]
+    assert len(losses) == 4, out[-2000:]  # steps 0, 5, 10, 11 from the coordinator
+    assert losses[-1] < losses[0] * 0.8
+    assert "errors: None" in proc.stdout

@@ -1,0 +1,315 @@
+"""Ray Train on TPU slices: `TorchTrainer` / `JaxTrainer` workers booted as `tpulaunch run` boots hosts.
+
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from tpulaunch.ray_train import XlaSpmdConfig
+
+    TorchTrainer(train_fn, torch_config=XlaSpmdConfig(mesh="data=4,model=4"), scaling_config=ScalingConfig(
+        num_workers=4, use_tpu=True, topology="2x8", accelerator_type="TPU-V6E", resources_per_worker={"TPU": 4}))
+
+Inside `train_fn`, `tpulaunch.get_mesh()` and `tpulaunch.context()` work as under `tpulaunch run`.
+
+Ray Train places one worker per TPU host and ranks them in placement order, which is not the TPU
+worker id. When the worker group is up, the backend (in Ray Train's controller) asks every worker
+for its node's TPU labels, builds the slices from them, and plans the launch with the code
+`tpulaunch run` uses (`plan_mesh`, `build_plan`): process index = the TPU worker id (slice-major
+on multislice), never Ray's rank. Each worker then gets its host's environment and HostState and
+boots exactly as a host process does (`host.bootstrap.boot`: SPMD mode, the slice's gloo group or
+`jax.distributed`, the mesh from the plan, `context()`). On an emulated cluster (no TPU devices on
+the workers) the workers emulate their hosts on CPU, as `tpulaunch run` does.
+
+A worker group that Ray Train restarts (`FailureConfig(max_failures=N)`) is planned and booted
+again, with `context().restart_count` counting up. A worker that cannot boot fails the run with
+tpulaunch's one-line reason (Ray does not retry a failed backend start).
+
+Needs `pip install 'tpulaunch[raytrain]'`; `import tpulaunch` does not import this module.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.train.backend import Backend
+from ray.train.torch import TorchConfig
+from ray.train.v2.jax.config import JaxConfig
+
+from tpulaunch.discover.ray_labels import POD_TYPE, SLICE, TOPO, WORKER
+from tpulaunch.errors import ExitCode, LaunchError, TpulaunchError
+from tpulaunch.host import frameworks
+from tpulaunch.plan.launch import HostState, LaunchPlan, build_plan, default_compile_cache, new_run_id
+from tpulaunch.plan.mesh import parse_axes, plan_mesh
+from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
+
+SHUTDOWN_TIMEOUT_S = 30.0
+_ONE_PER_HOST = ("tpulaunch runs one process per TPU host: set resources_per_worker={'TPU': <chips per host>}"
+                 " and num_workers = hosts x slices")
+
+
+class SliceSetupError(TpulaunchError):
+    """The worker group could not become the slice: not one worker per host, or a worker could not
+    boot (its runtime, its mesh, its TPU). Raised in Ray Train's controller; the driver sees it."""
+
+    exit_code = ExitCode.BOOT_FAILED
+
+
+# -- what each worker reports, and the plan made from it (pure) -----------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    """Where one Ray Train worker runs, as its node's labels say."""
+
+    rank: int  # Ray Train's world rank: placement order, used only to address the worker
+    ip: str
+    slice_name: str | None
+    worker_id: int | None
+    pod_type: str | None  # e.g. v6e-16
+    topology: str | None  # e.g. 2x8
+    tpu_devices: bool  # the node has TPU device files: a real TPU host
+
+
+def plan_for_workers(
+    facts: list[WorkerFacts], *, framework: str, mesh: str | None, dcn: str | None, run_id: str,
+    ports: list[int], attempt: int = 0, compile_cache: str | bool = True, log_dir: str = "",
+) -> tuple[LaunchPlan, dict[int, HostState]]:
+    """Plan the launch for a worker group: the LaunchPlan and each rank's HostState. Pure.
+
+    `ports` are three free ports on the process-0 worker's node (gloo, JAX coordinator, the
+    emulated hosts' store). Raises LaunchError when the workers are not one per host of whole slices.
+    """
+    if not facts:
+        raise LaunchError("the Ray Train worker group is empty", "set ScalingConfig(num_workers=...)")
+    for f in facts:
+        if f.slice_name is None or f.worker_id is None:
+            raise LaunchError(
+                f"Ray Train worker {f.rank} runs on node {f.ip}, which has no TPU labels ({SLICE}, {WORKER})",
+                "use ScalingConfig(use_tpu=True, topology=..., accelerator_type=...) on a TPU cluster"
+                " (`tpulaunch cluster up --topology 2x8` emulates one)")
+    names = sorted({f.slice_name for f in facts if f.slice_name})  # Ray Train's slice order too
+    kinds = {(f.pod_type, f.topology) for f in facts}
+    if len(kinds) != 1:
+        raise LaunchError(f"the workers run on different kinds of slices: {sorted(map(str, kinds))}",
+                          "train on slices of one accelerator type and topology")
+    pod_type, topo_text = kinds.pop()
+    if not pod_type:
+        raise LaunchError(f"the TPU hosts carry no {POD_TYPE} label", "start Ray on the TPU hosts with their TPU env")
+    slices = []
+    for index, name in enumerate(names):
+        mine = sorted((f for f in facts if f.slice_name == name), key=lambda f: f.worker_id or 0)
+        slices.append(SliceSpec(
+            name=name, accelerator_type=pod_type, topology=topo_text or "", source="ray",
+            workers=tuple(WorkerEndpoint(f.worker_id or 0, f.ip) for f in mine), slice_index=index,
+            emulated=not any(f.tpu_devices for f in facts)))
+    topology = slices[0].to_topology()
+    for s in slices:
+        ids = [w.worker_id for w in s.workers]
+        if ids != list(range(topology.num_hosts)):
+            raise LaunchError(
+                f"slice {s.name} ({topology.accelerator_type}, {topology.num_hosts} hosts) has Ray Train workers"
+                f" on TPU workers {ids}", _ONE_PER_HOST)
+    emulated = slices[0].emulated
+    fw = frameworks.get(framework)
+    plan = build_plan(
+        slices=slices, mesh=plan_mesh(topology, mesh, dcn, len(slices)), script="<ray-train>",
+        framework=framework, run_id=run_id, coordinator_port=ports[0],
+        jax_coordinator_port=ports[1] if framework == "jax" else None,
+        emulated=emulated, emulation_env=fw.emulation_env(topology, len(slices)),
+        emulation_port=ports[2] if emulated else None, metadata_server=not emulated,
+        log_dir=log_dir, workdir=os.getcwd(),
+        compile_cache=(default_compile_cache(framework, topology, len(slices), emulated) if compile_cache is True
+                       else compile_cache or None),
+    ).for_attempt(attempt)
+    by_host = {(h.slice_name, h.worker_id): h for h in plan.hosts}
+    states = {f.rank: HostState.for_host(plan, by_host[(f.slice_name, f.worker_id)]) for f in facts}
+    return plan, states
+
+
+# -- what runs in the workers ------------------------------------------------------------------
+
+
+def _worker_facts() -> WorkerFacts:
+    from pathlib import Path
+
+    from tpulaunch.host.tpu_holders import tpu_devices
+
+    rc = ray.get_runtime_context()
+    labels = {k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(rc.get_node_labels()).items()}
+    worker = labels.get(WORKER) or os.environ.get("TPU_WORKER_ID")
+    return WorkerFacts(
+        rank=ray.train.get_context().get_world_rank(), ip=ray.util.get_node_ip_address(),
+        slice_name=labels.get(SLICE) or os.environ.get("TPU_NAME"),
+        worker_id=int(worker) if worker not in (None, "") else None,
+        pod_type=labels.get(POD_TYPE) or os.environ.get("TPU_ACCELERATOR_TYPE"),
+        topology=labels.get(TOPO) or os.environ.get("TPU_TOPOLOGY"),
+        tpu_devices=bool(tpu_devices(Path("/"))),
+    )
+
+
+def _free_ports(n: int) -> list[int]:
+    from tpulaunch.cluster.ports import free_ports
+
+    return free_ports(n)
+
+
+def _storage_path() -> str:
+    try:
+        return str(ray.train.get_context().get_storage().experiment_fs_path)
+    except Exception:  # noqa: BLE001 - only a place context().log_dir points at
+        return ""
+
+
+def _boot_worker(state_blob: bytes, env: dict[str, str]) -> str | None:
+    """Become the host `state` describes. Returns None, or the one-line reason it could not."""
+    import traceback
+
+    from tpulaunch.host import bootstrap, tpu_holders
+
+    state: HostState = pickle.loads(state_blob)
+    os.environ.update(env)
+    try:
+        if not state.emulated:
+            report = tpu_holders.scan()
+            if not report.clean:
+                who = "; ".join(f"pid {h.pid} ({h.cmdline[:80]}) holds {', '.join(h.paths)}" for h in report.holders)
+                return (f"the TPU on this host is busy: {who or f'stale lockfile {report.lockfile}'}."
+                        " Clear it with `tpulaunch cluster doctor --kill-stale`")
+        bootstrap.boot(state)
+    except TpulaunchError as e:
+        return e.line()
+    except Exception as e:  # noqa: BLE001 - the reason goes to the driver, the traceback to the worker log
+        traceback.print_exc()
+        return f"framework boot failed: {type(e).__name__}: {e}"
+    return None
+
+
+def _shutdown_worker(framework: str) -> None:
+    frameworks.get(framework).shutdown()
+
+
+# -- the backends ------------------------------------------------------------------------------
+
+
+class _SliceBackend(Backend):
+    """Plans the slice from the workers' labels and boots each worker as its TPU host.
+
+    One instance lives in Ray Train's controller for the whole `fit()`: `on_start` runs again for
+    each worker group a restart brings up, so the attempt number and run id live here.
+    """
+
+    framework = "torch_xla"
+
+    def __init__(self) -> None:
+        self._run_id = new_run_id()
+        self._attempt = -1
+
+    def on_start(self, worker_group: Any, backend_config: Any) -> None:
+        self._attempt += 1
+        try:
+            self._boot_all(worker_group, backend_config)
+        except TpulaunchError as e:
+            # Ray 2.60 leaks a worker group whose backend fails to start: it already counts as
+            # started, so neither its builder nor the controller shuts it down, and the slice stays
+            # reserved (a second fit() in the same driver then waits forever). Release it here.
+            try:
+                worker_group.shutdown()
+            except Exception:  # noqa: BLE001 - the reason below matters more
+                pass
+            raise SliceSetupError(f"tpulaunch: {e.line()}") from None
+
+    def _boot_all(self, worker_group: Any, backend_config: Any) -> None:
+        facts: list[WorkerFacts] = worker_group.execute(_worker_facts)
+        args = dict(framework=self.framework, mesh=backend_config.mesh, dcn=backend_config.dcn,
+                    run_id=self._run_id, attempt=self._attempt, compile_cache=backend_config.compile_cache)
+        _, states = plan_for_workers(facts, ports=[0, 0, 0], **args)  # checks the workers, finds process 0
+        zero = next(rank for rank, state in states.items() if state.process_index == 0)
+        # process 0 hosts the coordinators: their ports must be free on its node
+        ports = worker_group.execute_single(zero, _free_ports, 3)
+        plan, states = plan_for_workers(facts, ports=ports, log_dir=worker_group.execute_single(zero, _storage_path),
+                                        **args)
+        env = {h.process_index: h.env for h in plan.hosts}
+        futures = {rank: worker_group.execute_single_async(
+            rank, _boot_worker, pickle.dumps(state), {**env[state.process_index], **backend_config.env})
+            for rank, state in states.items()}
+        failed = []
+        for rank, fut in sorted(futures.items(), key=lambda kv: states[kv[0]].process_index):
+            reason = ray.get(fut)
+            if reason:
+                s = states[rank]
+                failed.append(f"host {s.process_index} (slice {s.slice_name} worker {s.worker_id}, Ray Train rank {rank}):"
+                              f" {reason}")
+        if failed:
+            more = f" (and {len(failed) - 1} more host(s))" if len(failed) > 1 else ""
+            raise SliceSetupError(failed[0] + more)
+
+    def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
+        futures = worker_group.execute_async(_shutdown_worker, self.framework)
+        ray.wait(futures, num_returns=len(futures), timeout=SHUTDOWN_TIMEOUT_S)
+
+
+class _TorchXlaBackend(_SliceBackend):
+    framework = "torch_xla"
+
+
+class _JaxBackend(_SliceBackend):
+    framework = "jax"
+
+
+def _check_axes(mesh: str | None, dcn: str | None) -> None:
+    """Bad mesh syntax fails on the driver, before Ray Train starts anything."""
+    if mesh:
+        parse_axes(mesh)
+    if dcn:
+        parse_axes(dcn, "--dcn")
+
+
+@dataclass
+class XlaSpmdConfig(TorchConfig):
+    """`TorchTrainer(torch_config=XlaSpmdConfig())`: torch_xla SPMD on the slice, mesh ready.
+
+    `mesh` / `dcn` take the CLI's syntax (`data=4,model=4`; `data=2` across slices). `env` is
+    added to every worker's environment. `compile_cache`: True for tpulaunch's default directory
+    on each host, a path, or False.
+    """
+
+    backend: str | None = "xla-spmd"  # anything but empty: TorchTrainer would pick "tpu_dist"
+    mesh: str | None = None
+    dcn: str | None = None
+    env: dict | None = None
+    compile_cache: Any = True
+
+    def __post_init__(self) -> None:
+        _check_axes(self.mesh, self.dcn)
+        self.env = dict(self.env or {})
+
+    @property
+    def backend_cls(self) -> type:
+        return _TorchXlaBackend
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "mesh": self.mesh, "dcn": self.dcn}
+
+
+@dataclass
+class JaxSpmdConfig(JaxConfig):
+    """`JaxTrainer(jax_config=JaxSpmdConfig())`: `jax.distributed` over the slice, mesh ready."""
+
+    use_tpu: bool = True
+    mesh: str | None = None
+    dcn: str | None = None
+    env: dict | None = None
+    compile_cache: Any = True
+
+    def __post_init__(self) -> None:
+        _check_axes(self.mesh, self.dcn)
+        self.env = dict(self.env or {})
+
+    @property
+    def backend_cls(self) -> type:
+        return _JaxBackend
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "mesh": self.mesh, "dcn": self.dcn}
