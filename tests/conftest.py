@@ -56,6 +56,24 @@ def write_scripts(directory: Path, scripts: dict[str, str]) -> Path:
     return directory
 
 
+def live_processes() -> dict[int, dict[str, bytes]]:
+    """Every live (not zombie) process: its argv, environment and the paths of its open files."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            state = Path(f"/proc/{entry}/stat").read_text().split(") ")[-1][:1]
+            info = {"cmdline": Path(f"/proc/{entry}/cmdline").read_bytes(),
+                    "environ": Path(f"/proc/{entry}/environ").read_bytes(),
+                    "fds": b"".join(os.readlink(f"/proc/{entry}/fd/{fd}").encode() for fd in os.listdir(f"/proc/{entry}/fd"))}
+        except OSError:
+            continue
+        if state != "Z":
+            out[int(entry)] = info
+    return out
+
+
 def processes_mentioning(needles: list[str]) -> list[str]:
     """Live processes whose argv, environment or open files mention any needle.
 
@@ -63,17 +81,10 @@ def processes_mentioning(needles: list[str]) -> list[str]:
     predates the run): `tpulaunch-run-<run id>-...`.
     """
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            state = Path(f"/proc/{entry}/stat").read_text().split(") ")[-1][:1]
-            blob = Path(f"/proc/{entry}/cmdline").read_bytes() + Path(f"/proc/{entry}/environ").read_bytes()
-            blob += b"".join(os.readlink(f"/proc/{entry}/fd/{fd}").encode() for fd in os.listdir(f"/proc/{entry}/fd"))
-        except OSError:
-            continue
-        if state != "Z" and any(n.encode() in blob for n in needles):
-            out.append(f"{entry}: {blob[:160]!r}")
+    for pid, info in live_processes().items():
+        blob = info["cmdline"] + info["environ"] + info["fds"]
+        if any(n.encode() in blob for n in needles):
+            out.append(f"{pid}: {blob[:160]!r}")
     return out
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, processes_mentioning, run_cli, write_scripts
+from conftest import cli_env, live_processes, processes_mentioning, run_cli, write_scripts
 from fakes.metadata_server import FakeMetadataServer
 
 HOSTS = 4
@@ -84,18 +84,7 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def _pids_with_env(*needles: str) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            state = Path(f"/proc/{entry}/stat").read_text().split(") ")[-1][:1]
-            environ = Path(f"/proc/{entry}/environ").read_bytes()
-        except OSError:
-            continue
-        if state != "Z" and all(n.encode() in environ for n in needles):
-            out.append(int(entry))
-    return out
+    return [pid for pid, info in live_processes().items() if all(n.encode() in info["environ"] for n in needles)]
 
 
 def _host_pid(run_id: str, index: int) -> int:

@@ -267,7 +267,24 @@ def _check_axes(mesh: str | None, dcn: str | None) -> None:
 
 
 @dataclass
-class XlaSpmdConfig(TorchConfig):
+class _SliceOptions:
+    """What both configs add to Ray's: the mesh (the CLI's syntax), worker env, compile cache."""
+
+    mesh: str | None = None
+    dcn: str | None = None
+    env: dict | None = None
+    compile_cache: Any = True
+
+    def __post_init__(self) -> None:
+        _check_axes(self.mesh, self.dcn)
+        self.env = dict(self.env or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "mesh": self.mesh, "dcn": self.dcn}  # type: ignore[misc]
+
+
+@dataclass
+class XlaSpmdConfig(_SliceOptions, TorchConfig):
     """`TorchTrainer(torch_config=XlaSpmdConfig())`: torch_xla SPMD on the slice, mesh ready.
 
     `mesh` / `dcn` take the CLI's syntax (`data=4,model=4`; `data=2` across slices). `env` is
@@ -276,40 +293,18 @@ class XlaSpmdConfig(TorchConfig):
     """
 
     backend: str | None = "xla-spmd"  # anything but empty: TorchTrainer would pick "tpu_dist"
-    mesh: str | None = None
-    dcn: str | None = None
-    env: dict | None = None
-    compile_cache: Any = True
-
-    def __post_init__(self) -> None:
-        _check_axes(self.mesh, self.dcn)
-        self.env = dict(self.env or {})
 
     @property
     def backend_cls(self) -> type:
         return _TorchXlaBackend
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "mesh": self.mesh, "dcn": self.dcn}
-
 
 @dataclass
-class JaxSpmdConfig(JaxConfig):
+class JaxSpmdConfig(_SliceOptions, JaxConfig):
     """`JaxTrainer(jax_config=JaxSpmdConfig())`: `jax.distributed` over the slice, mesh ready."""
 
     use_tpu: bool = True
-    mesh: str | None = None
-    dcn: str | None = None
-    env: dict | None = None
-    compile_cache: Any = True
-
-    def __post_init__(self) -> None:
-        _check_axes(self.mesh, self.dcn)
-        self.env = dict(self.env or {})
 
     @property
     def backend_cls(self) -> type:
         return _JaxBackend
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "mesh": self.mesh, "dcn": self.dcn}
