@@ -46,7 +46,8 @@ from tpulaunch.plan.launch import run_marker
 # Variables Ray sets for sub-host TPU allocations; the plan decides these, not the actor's parent.
 _DROP = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "RAY_ADDRESS")
 # Variables that change from run to run; everything else must match for a spare to be taken.
-PER_RUN_ENV = ("TPULAUNCH_RUN_ID", "TPULAUNCH_RESTART_COUNT", "TPULAUNCH_COORDINATOR_ADDRESS", "MASTER_PORT",
+PER_RUN_ENV = ("TPULAUNCH_RUN_ID", "TPULAUNCH_RESTART_COUNT", "TPULAUNCH_COORDINATOR_ADDRESS", "TPULAUNCH_GROUP_ADDRESS",
+               "MASTER_PORT",
                "JAX_COORDINATOR_ADDRESS", "TPULAUNCH_EMULATION_PORT", HEARTBEAT_ENV, "TPULAUNCH_STATE",
                "TPULAUNCH_TIMINGS_FILE")
 _PR_SET_PDEATHSIG = 1

@@ -86,20 +86,26 @@ class LaunchPlan:
     command: tuple[str, ...] = ()  # set for `tpulaunch exec`: run this instead of a script
     attempt: int = 0  # 0, then 1, 2, ... when the whole slice is restarted
     compile_cache: str | None = None  # persistent XLA compilation cache dir on each host ("~" is the host's)
+    # host:port of the store of tpulaunch's own gloo group. Not MASTER_PORT: a script that destroys
+    # the group and makes its own over env:// would otherwise race the old listener on that port.
+    group_address: str = ""
 
     @property
     def topology(self) -> Topology:
         return self.mesh.topology
 
-    def for_attempt(self, attempt: int, *, coordinator_port: int | None = None,
+    def for_attempt(self, attempt: int, *, coordinator_port: int | None = None, group_port: int | None = None,
                     jax_coordinator_port: int | None = None, emulation_port: int | None = None) -> "LaunchPlan":
         """The plan of restart number `attempt`: a new process group (new ports, if given) and
         `TPULAUNCH_RESTART_COUNT`, everything else as planned. Pure."""
         host0 = self.coordinator_address.rsplit(":", 1)[0]
         coordinator = f"{host0}:{coordinator_port}" if coordinator_port else self.coordinator_address
+        group = f"{host0}:{group_port}" if group_port else self.group_address
         hosts = []
         for h in self.hosts:
             env = dict(h.env, TPULAUNCH_RESTART_COUNT=str(attempt), TPULAUNCH_COORDINATOR_ADDRESS=coordinator)
+            if group:
+                env["TPULAUNCH_GROUP_ADDRESS"] = group
             if coordinator_port:
                 env["MASTER_PORT"] = str(coordinator_port)
             if jax_coordinator_port and "JAX_COORDINATOR_ADDRESS" in env:
@@ -107,7 +113,7 @@ class LaunchPlan:
             if emulation_port and "TPULAUNCH_EMULATION_PORT" in env:
                 env["TPULAUNCH_EMULATION_PORT"] = str(emulation_port)
             hosts.append(replace(h, env=env))
-        return replace(self, hosts=tuple(hosts), coordinator_address=coordinator, attempt=attempt)
+        return replace(self, hosts=tuple(hosts), coordinator_address=coordinator, group_address=group, attempt=attempt)
 
     def to_dict(self) -> dict:
         return {
@@ -120,6 +126,7 @@ class LaunchPlan:
             "emulated": self.emulated,
             "distributed": self.distributed,
             "coordinator_address": self.coordinator_address,
+            "group_address": self.group_address or self.coordinator_address,
             "log_dir": self.log_dir,
             "workdir": self.workdir,
             "attempt": self.attempt,
@@ -157,6 +164,7 @@ class HostState:
     extra: dict = field(default_factory=dict)
     restart_count: int = 0
     compile_cache: str | None = None
+    group_address: str = ""  # tpulaunch's gloo group store (LaunchPlan.group_address)
 
     @staticmethod
     def for_host(plan: LaunchPlan, host: HostLaunch) -> "HostState":
@@ -181,6 +189,7 @@ class HostState:
             command=plan.command,
             restart_count=plan.attempt,
             compile_cache=plan.compile_cache,
+            group_address=plan.group_address or plan.coordinator_address,
         )
 
 
@@ -194,6 +203,7 @@ def build_plan(
     user_env: dict[str, str] | None = None,
     run_id: str,
     coordinator_port: int,
+    group_port: int | None = None,
     jax_coordinator_port: int | None = None,
     megascale_port: int = MEGASCALE_PORT,
     emulated: bool,
@@ -226,6 +236,7 @@ def build_plan(
             )
     first = slices[0].workers[0].ip
     coordinator = f"{first}:{coordinator_port}"
+    group = f"{first}:{group_port}" if group_port else coordinator
     n_proc = topo.num_hosts * len(slices)
     hosts = []
     for s_idx, s in enumerate(slices):
@@ -237,6 +248,7 @@ def build_plan(
                 "TPULAUNCH_PROCESS_INDEX": str(proc),
                 "TPULAUNCH_NUM_PROCESSES": str(n_proc),
                 "TPULAUNCH_COORDINATOR_ADDRESS": coordinator,
+                "TPULAUNCH_GROUP_ADDRESS": group,
                 "TPULAUNCH_EMULATED": "1" if emulated else "0",
                 "TPULAUNCH_RESTART_COUNT": "0",
                 "TPULAUNCH_FRAMEWORK": framework,
@@ -294,6 +306,7 @@ def build_plan(
         hosts=tuple(hosts),
         emulated=emulated,
         coordinator_address=coordinator,
+        group_address=group,
         distributed=distributed,
         log_dir=log_dir,
         workdir=workdir,

@@ -204,7 +204,7 @@ def _fresh_ports(plan: LaunchPlan) -> dict[str, int | None]:
     if not plan.emulated:
         return {}
     jax = "JAX_COORDINATOR_ADDRESS" in plan.hosts[0].env
-    return {"coordinator_port": free_port(), "jax_coordinator_port": free_port() if jax else None,
+    return {"coordinator_port": free_port(), "group_port": free_port(), "jax_coordinator_port": free_port() if jax else None,
             "emulation_port": free_port()}
 
 

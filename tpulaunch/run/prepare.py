@@ -131,9 +131,10 @@ def prepare(req: LaunchRequest) -> Prepared:
     run_id = req.run_id or new_run_id()
     port = req.coordinator_port or (free_port() if emulated else 8476)
     jax_port = (free_port() if emulated else 8477) if fw == "jax" else None
+    group_port = free_port() if emulated else port + 2  # tpulaunch's own gloo group, apart from MASTER_PORT
     plan = build_plan(
         slices=list(resolved.slices), mesh=mesh, script=script, args=req.args, framework=fw,
-        user_env=parse_env(req.env), run_id=run_id, coordinator_port=port, jax_coordinator_port=jax_port,
+        user_env=parse_env(req.env), run_id=run_id, coordinator_port=port, group_port=group_port, jax_coordinator_port=jax_port,
         emulated=emulated, emulation_env=frameworks.get(fw).emulation_env(resolved.topology, resolved.num_slices),
         emulation_port=free_port() if emulated else None,
         metadata_server=(resolved.source in ("metadata", "ray")), distributed=req.distributed and not req.command,

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from tpulaunch.plan.launch import HostState
 
-# The group is held weakly: a strong reference would keep its TCPStore listening on MASTER_PORT
-# after the user destroys the group, and a re-init on that port would then split its clients
-# between two listeners and hang.
+# The group's store listens on a port of its own (`group_address`), never MASTER_PORT: a script
+# that destroys it and makes its own group over env:// must not reach a listener that is closing.
+# It is held weakly too: a strong reference would keep that store alive after the user destroys
+# the group.
 _OURS: dict[str, Any] = {"group": lambda: None, "rank": None, "world": None}
 
 
@@ -43,7 +44,7 @@ def init_slice_group(state: "HostState") -> None:
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://{state.coordinator_address}",
+        init_method=f"tcp://{state.group_address or state.coordinator_address}",
         rank=state.process_index,
         world_size=state.num_processes,
         timeout=dist_timeout(),
