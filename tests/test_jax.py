@@ -281,3 +281,25 @@ def test_a_dying_host_fails_the_jax_launch_fast(shared_cluster, workdir, tmp_pat
         assert "collective 16" in Path(hosts[i]["log"]).read_text()
     status = json.loads(run_cli("cluster", "status", "--json", env=shared_cluster["env"]).stdout)
     assert not any(h["busy"] for h in status["slices"][0]["hosts"])
+
+
+@pytest.mark.cluster
+def test_the_compile_cache_is_written_by_one_run_and_read_by_the_next(shared_cluster, tmp_path):
+    """JAX's persistent cache: process 0 writes it (JAX's rule), every host reads it next time."""
+    cache = tmp_path / "cache"
+
+    def train(log: str) -> str:
+        proc = run_cli("run", "recipes/jax_mlp.py", "--topology", "2x8", "--address", "auto", "--framework", "jax",
+                       "--compile-cache", str(cache), "--env", "JAX_LOG_COMPILES=1", "--log-dir", str(tmp_path / log),
+                       "--", "--steps", "3", cwd=REPO, env=shared_cluster["env"], timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return "\n".join(Path(h["log"]).read_text() for h in last_summary(tmp_path / log)["hosts"])
+
+    first = train("first")
+    entries = sorted(p for p in cache.rglob("*") if p.is_file())
+    assert entries, "the first run wrote no cache entry"
+    assert "Persistent compilation cache hit" not in first
+    second = train("second")
+    hits = re.findall(r"Persistent compilation cache hit for '([^']+)'", second)
+    assert "jit_train_step" in " ".join(hits) or len(hits) >= 4, hits
+    assert sorted(p for p in cache.rglob("*") if p.is_file()) == entries, "the second run compiled anew"

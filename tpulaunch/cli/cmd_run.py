@@ -158,7 +158,8 @@ def run_cmd(
     preemption_grace: float = FAULT_OPTIONS["preemption_grace"],
     compile_cache: Optional[str] = typer.Option(
         None, "--compile-cache", metavar="DIR",
-        help="Persistent XLA compilation cache on every host (default ~/.cache/tpulaunch/xla-cache/<framework>/<slice>)."),
+        help="Persistent XLA compilation cache on every host (JAX default: ~/.cache/tpulaunch/xla-cache/jax/<slice>;"
+             " torch_xla 2.9 cannot load its cache, so it has none unless given)."),
     no_compile_cache: bool = typer.Option(False, "--no-compile-cache", help="Compile from scratch every run."),
     keep_cluster: bool = typer.Option(False, "--keep-cluster",
                                       help="Leave the emulated cluster this run starts up; the next runs use it (warm)."),

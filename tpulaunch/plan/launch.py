@@ -23,11 +23,16 @@ MEGASCALE_PORT = 8081  # libtpu's DCN coordinator port (Ray and MaxText use the 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def default_compile_cache(framework: str, topology: Topology, num_slices: int, emulated: bool) -> str:
+def default_compile_cache(framework: str, topology: Topology, num_slices: int, emulated: bool) -> str | None:
     """`~/.cache/tpulaunch/xla-cache/<framework>/<slice>`, on each host's own disk (`~` is the host's).
 
     Emulated slices get their own directory: CPU compilations are no use on a TPU, and back.
+    None for torch_xla: 2.9 writes cached executables but cannot load them on TPU or CPU
+    ("Deserializing serialized executable not supported", pytorch/xla#9094), so a default cache
+    would only cost disk and a warning per compile. `--compile-cache DIR` still turns it on.
     """
+    if framework == "torch_xla":
+        return None
     key = f"{'emulated-' if emulated else ''}{topology.accelerator_type}-{topology.topology}"
     if num_slices > 1:
         key += f"-x{num_slices}"

@@ -49,9 +49,9 @@ class TorchXLA:
         xr.use_spmd()
         xr.use_spmd = _spmd_already_on(xr.use_spmd)
         _save_each_local_shard_once()
-        if state.compile_cache and not state.emulated:
-            # Not on emulated hosts: torch_xla 2.9's CPU client cannot load a cached executable
-            # ("Deserializing serialized executable not supported"); it would only warn each compile.
+        if state.compile_cache:
+            # Only when asked for (`--compile-cache DIR`): torch_xla 2.9 cannot load what it caches
+            # (pytorch/xla#9094), so there is no default; a fixed torch_xla gets it from the flag.
             path = os.path.expanduser(state.compile_cache)
             os.makedirs(path, exist_ok=True)
             xr.initialize_cache(path)
