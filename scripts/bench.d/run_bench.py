@@ -242,14 +242,15 @@ def first_step_section(ctx: dict) -> str:
 
 Measured on {datetime.date.today().isoformat()} on a warm emulated 2x8 (spares ready): seconds from the
 command's start to the first `step 0` line. The cache is on by default
-(`~/.cache/tpulaunch/xla-cache/<framework>/<slice>`; `--compile-cache DIR`, `--no-compile-cache`).
+for JAX (`~/.cache/tpulaunch/xla-cache/jax/<slice>`; `--compile-cache DIR`, `--no-compile-cache`); torch_xla
+runs here with `--compile-cache DIR` given explicitly.
 
 | script | empty cache | warm cache | no cache | warm vs empty |
 | --- | ---: | ---: | ---: | ---: |
 """ + "".join(f"| {n} | {e:.1f} | {w:.1f} | {o:.1f} | {e / w:.2f}x |\n" for n, e, w, o in rows) + """
-torch_xla 2.9's CPU client cannot load a cached executable ("Failed to deserialize executable:
-UNIMPLEMENTED: Deserializing serialized executable not supported"), so emulated torch_xla hosts do
-not use the cache (it would only add that warning at every compile); on TPU hosts it is used.
+torch_xla 2.9 writes cached executables but cannot load them ("Failed to deserialize executable:
+UNIMPLEMENTED: Deserializing serialized executable not supported"), on TPU as on CPU
+(pytorch/xla#9094), so its row shows no gain and tpulaunch gives torch_xla no default cache.
 """
 
 
