@@ -65,10 +65,10 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.embed, self.pos = nn.Embedding(VOCAB, WIDTH), nn.Parameter(torch.zeros(SEQ, WIDTH))
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -85,6 +85,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--ckpt-dir", default="/tmp/fsdpv2-ckpt")
     p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--layers", type=int, default=LAYERS, help="decoder blocks (compile time grows with them)")
     args = p.parse_args()
 
     xr.use_spmd()
@@ -97,7 +98,7 @@ def main() -> None:
         dist.init_process_group("gloo", init_method="xla://")  # CheckpointManager needs a CPU group
 
     torch.manual_seed(0)  # every host builds the same initial weights
-    model = FSDPv2(Decoder().to(device), extra_data_axis="data")
+    model = FSDPv2(Decoder(args.layers).to(device), extra_data_axis="data")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt = xc.CheckpointManager(args.ckpt_dir, args.ckpt_every)
 

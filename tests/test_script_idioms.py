@@ -193,7 +193,7 @@ def test_fsdpv2_recipe_resumes_from_its_checkpoint(shared_cluster, tmp_path):
 
     def train(log: str):
         proc = run_cli("run", "recipes/fsdpv2_decoder.py", "--topology", "2x8", "--address", "auto",
-                       "--log-dir", str(tmp_path / log), "--", "--steps", "4", "--ckpt-every", "2",
+                       "--log-dir", str(tmp_path / log), "--", "--steps", "4", "--ckpt-every", "2", "--layers", "1",
                        "--ckpt-dir", str(ckpt), cwd=REPO, env=shared_cluster["env"], timeout=500)
         assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
         summary = last_summary(tmp_path / log)
