@@ -44,7 +44,9 @@ from tpulaunch.host.context import HEARTBEAT_ENV
 from tpulaunch.plan.launch import run_marker
 
 # Variables Ray sets for sub-host TPU allocations; the plan decides these, not the actor's parent.
-_DROP = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "RAY_ADDRESS")
+# And what Ray gives its worker processes (this agent is one) that describe that worker, not the host.
+_DROP = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "RAY_ADDRESS",
+         "RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE", "RAY_LD_PRELOAD_ON_WORKERS")
 # Variables that change from run to run; everything else must match for a spare to be taken.
 PER_RUN_ENV = ("TPULAUNCH_RUN_ID", "TPULAUNCH_RESTART_COUNT", "TPULAUNCH_COORDINATOR_ADDRESS", "TPULAUNCH_GROUP_ADDRESS",
                "MASTER_PORT",
@@ -93,6 +95,30 @@ def exit_code_of(returncode: int) -> int:
 def import_env(env: dict[str, str]) -> dict[str, str]:
     """What a host process's environment is, apart from what changes from run to run."""
     return {k: v for k, v in env.items() if k not in PER_RUN_ENV and k != PY_STDIO_ENV}
+
+
+def host_env() -> dict[str, str]:
+    """The environment a host process starts from: the node's, as a script run there by hand sees it.
+
+    Not this agent's: Ray sets OMP_NUM_THREADS to the actor's CPU count (1) in its workers unless
+    the node set it, and a script inheriting that runs torch's CPU ops on one thread (data loading,
+    checkpoints) on a host with hundreds of cores. It is kept only when the node's raylet has it.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    node = _raylet_env()
+    if "OMP_NUM_THREADS" in env and node is not None and "OMP_NUM_THREADS" not in node:
+        del env["OMP_NUM_THREADS"]
+    return env
+
+
+def _raylet_env() -> dict[str, str] | None:
+    """The raylet's environment (what `ray start` on this node was given); None if unreadable."""
+    try:
+        with open(f"/proc/{int(os.environ['RAY_RAYLET_PID'])}/environ", "rb") as f:
+            raw = f.read()
+    except (KeyError, ValueError, OSError):
+        return None
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
 
 
 class HostProcess:
@@ -254,7 +280,7 @@ class HostAgent:
             fd, self._timings = tempfile.mkstemp(prefix="tpulaunch-timings-")
             os.close(fd)
             self._files = [path, self._heartbeat, self._timings]
-            run_env = {k: v for k, v in os.environ.items() if k not in _DROP}
+            run_env = host_env()
             run_env.update(env)
             run_env.update({"TPULAUNCH_STATE": path, HEARTBEAT_ENV: self._heartbeat, TIMINGS_ENV: self._timings})
             cwd = cwd or os.getcwd()
@@ -362,7 +388,7 @@ class HostAgent:
 
     def prewarm(self, framework: str, env: dict[str, str]) -> bool:
         """Start a spare with `framework` imported and this host's environment (minus per-run values)."""
-        run_env = {k: v for k, v in os.environ.items() if k not in _DROP}
+        run_env = host_env()
         run_env.update(env)
         env0 = import_env(run_env)
         old = self._spares.get(framework)
