@@ -56,7 +56,7 @@ def stop_processes(temp_dir: str, grace_s: float = 5.0) -> int:
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
     for pid in cluster_pids(temp_dir):
         _signal(pid, signal.SIGKILL)
@@ -71,7 +71,8 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Running (a zombie or a dead pid is not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ")[-1][:1] not in ("Z", "X")
@@ -86,7 +87,7 @@ def run_pids(run_id: str) -> list[int]:
     fd_needle = "/" + run_marker(run_id)
     out = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid() or not _alive(int(entry)):
+        if not entry.isdigit() or int(entry) == os.getpid() or not alive(int(entry)):
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
@@ -108,7 +109,7 @@ def stop_run_processes(run_id: str, grace_s: float = 3.0) -> int:
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
     for pid in run_pids(run_id):
         _signal(pid, signal.SIGKILL)

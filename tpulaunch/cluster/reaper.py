@@ -3,7 +3,10 @@
     python -m tpulaunch.cluster.reaper HEX(TEMP_DIR) IDLE_SECONDS
 
 A detached process on this machine. Every run on the cluster touches `<temp dir>/last_used`; when
-that is older than the idle time, the reaper stops the cluster's processes and forgets its record.
+that is older than the idle time and no run is under way, the reaper stops the cluster's processes
+and forgets its record. A run counts as under way while its launcher lives: it leaves its pid in
+`<temp dir>/runs/` for as long as it uses the cluster, so a training run longer than the idle time
+is never stopped under it.
 It ends by itself when the cluster is gone (`tpulaunch cluster down`). The temp dir is passed hex-
 encoded so that the reaper itself is not taken for a process of the cluster (they are found by
 the temp dir in their argv).
@@ -15,6 +18,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 CHECK_EVERY_S = 10.0
@@ -26,6 +31,39 @@ def touch(temp_dir: str) -> None:
         Path(temp_dir, "last_used").touch()
     except OSError:
         pass
+
+
+@contextmanager
+def in_use(temp_dir: str | None) -> Iterator[None]:
+    """The cluster is in use for the duration (a run): the reaper leaves it up, however long."""
+    if not temp_dir:
+        yield
+        return
+    mark = Path(temp_dir, "runs", str(os.getpid()))
+    try:
+        mark.parent.mkdir(exist_ok=True)
+        mark.touch()
+    except OSError:
+        pass
+    touch(temp_dir)
+    try:
+        yield
+    finally:
+        touch(temp_dir)
+        mark.unlink(missing_ok=True)
+
+
+def runs_under_way(temp_dir: str) -> list[int]:
+    """Pids of the launchers using the cluster now (a mark whose launcher died does not count)."""
+    from tpulaunch.cluster.processes import alive
+
+    live = []
+    for mark in Path(temp_dir, "runs").glob("*"):
+        if mark.name.isdigit() and alive(int(mark.name)):
+            live.append(int(mark.name))
+        else:
+            mark.unlink(missing_ok=True)
+    return live
 
 
 def start(temp_dir: str, idle_s: float) -> None:
@@ -49,7 +87,7 @@ def main(argv: list[str]) -> int:
             idle = time.time() - os.stat(os.path.join(temp_dir, "last_used")).st_mtime
         except OSError:
             idle = idle_s
-        if idle >= idle_s:
+        if idle >= idle_s and not runs_under_way(temp_dir):
             rec = load_record()
             if rec is not None and rec.temp_dir == temp_dir:
                 clear_record()

@@ -111,10 +111,9 @@ def launch(prep: Prepared, sink: Sink, *, dashboard: bool = False, quiet_ray: bo
                 t = time.monotonic()
                 connect(cluster, prep.runtime_env)
                 phases["connect_s"] = time.monotonic() - t
-            if cluster.temp_dir:
-                reaper.touch(cluster.temp_dir)
             sigs.raise_now = False
-            note = _attempts(plan, req, sink, limits, sigs, cluster, attempts, budget)
+            with reaper.in_use(cluster.temp_dir):
+                note = _attempts(plan, req, sink, limits, sigs, cluster, attempts, budget)
         except Interrupted as e:
             interrupted = e.signum
         finally:
@@ -123,8 +122,6 @@ def launch(prep: Prepared, sink: Sink, *, dashboard: bool = False, quiet_ray: bo
             if owned is not None and not (req.keep_cluster and interrupted is None and _keep(owned, req, sink)):
                 sink.progress("stopping the emulated Ray cluster")
                 emulated.stop_cluster(owned)
-            elif cluster is not None and cluster.temp_dir:
-                reaper.touch(cluster.temp_dir)
             if plan.emulated:
                 stop_run_processes(plan.run_id)  # a host Ray could no longer reach (its node lost)
     return _summary(prep, attempts, budget, note, interrupted, time.monotonic() - t0, phases)

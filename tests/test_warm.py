@@ -1,0 +1,98 @@
+"""Warm hosts and kept clusters, end to end on an emulated v4 2x2x2 (2 hosts) of its own.
+
+`tpulaunch run --keep-cluster` leaves the cluster it started up; the next `tpulaunch run` (no
+--address) takes it, and every host's spare process (torch_xla imported, runtime untouched) takes
+the run. A run whose environment differs from the spare's gets a fresh process and --debug says
+why. The reaper stops the kept cluster once it is idle, never while a run longer than the idle
+time is still using it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from conftest import cli_env, last_summary, processes_mentioning, run_cli, write_scripts
+
+HELLO = """
+    import argparse
+    import os
+    import time
+
+    import torch_xla.runtime as xr
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--sleep", type=float, default=0.0)
+    args = p.parse_args()
+    print(f"host {xr.process_index()} of {xr.process_count()} worker {os.environ['TPU_WORKER_ID']}"
+          f" extra {os.environ.get('EXTRA', '-')}", flush=True)
+    time.sleep(args.sleep)
+"""
+
+IDLE_S = 12  # shorter than the first run: the reaper must wait for it anyway
+
+
+def _run(work, home, log, *flags: str, script_args: tuple[str, ...] = ()):
+    return run_cli("run", "hello.py", "--topology", "2x2x2", "--accelerator", "v4", "--log-dir", str(log), *flags,
+                   "--", *script_args, cwd=work, env=cli_env(TPULAUNCH_HOME=str(home)), timeout=300)
+
+
+def _hosts_said(out: str) -> list[tuple[int, int, int, str]]:
+    return sorted((int(a), int(b), int(c), d) for a, b, c, d in
+                  re.findall(r"\] host (\d+) of (\d+) worker (\d+) extra (\S+)", out))
+
+
+@pytest.mark.cluster
+def test_kept_cluster_is_warm_for_the_next_run_and_reaped_once_idle(tmp_path):
+    from tpulaunch.cluster.processes import cluster_pids
+
+    work = write_scripts(tmp_path, {"hello.py": HELLO})
+    home = tmp_path / "home"
+    logs = tmp_path / "runs"
+
+    # 1. starts its own cluster, keeps it; runs longer than the idle time (the reaper must wait)
+    first = _run(work, home, logs / "1", "--keep-cluster", "--idle-timeout", str(IDLE_S),
+                 script_args=("--sleep", str(IDLE_S + 12)))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "kept the emulated cluster" in first.stderr and "tpulaunch cluster down" in first.stderr
+    assert "cluster_start_s" in last_summary(logs / "1")["timings"]
+    record = json.loads((home / "cluster.json").read_text())
+    temp_dir = record["temp_dir"]
+    assert cluster_pids(temp_dir), "the kept cluster is not running"
+
+    try:
+        # 2. no --address: takes the kept cluster; every host's spare takes the run
+        second = _run(work, home, logs / "2", "--debug")
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert "running on the emulated cluster already up" in second.stderr
+        summary = last_summary(logs / "2")
+        assert "cluster_start_s" not in summary["timings"]
+        assert summary["attempts"][0]["timings"]["prewarmed_hosts"] == 2
+        assert _hosts_said(second.stdout) == [(0, 2, 0, "-"), (1, 2, 1, "-")]
+
+        # 3. another environment: fresh processes, and --debug says which variable differed
+        third = _run(work, home, logs / "3", "--debug", "--env", "EXTRA=1")
+        assert third.returncode == 0, third.stderr[-3000:]
+        assert last_summary(logs / "3")["attempts"][0]["timings"]["prewarmed_hosts"] == 0
+        assert "started a fresh process: the environment differs from the spare's in EXTRA" in third.stderr
+        assert _hosts_said(third.stdout) == [(0, 2, 0, "1"), (1, 2, 1, "1")]
+
+        # 4. the same environment again: the spares left after run 3 carry it
+        fourth = _run(work, home, logs / "4", "--env", "EXTRA=1")
+        assert fourth.returncode == 0, fourth.stderr[-3000:]
+        assert last_summary(logs / "4")["attempts"][0]["timings"]["prewarmed_hosts"] == 2
+        assert _hosts_said(fourth.stdout) == [(0, 2, 0, "1"), (1, 2, 1, "1")]
+
+        # 5. idle now: the reaper stops the cluster and forgets it
+        # (the spares too: they carry this test's TPULAUNCH_HOME, as does the reaper until it ends)
+        deadline = time.monotonic() + IDLE_S + 40
+        while processes_mentioning([temp_dir, str(home)]) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        assert not cluster_pids(temp_dir), "the reaper left the idle cluster up"
+        assert not processes_mentioning([temp_dir, str(home)])
+        assert not (home / "cluster.json").exists()
+    finally:
+        run_cli("cluster", "down", env=cli_env(TPULAUNCH_HOME=str(home)), timeout=120)
