@@ -35,9 +35,9 @@ HELLO = """
 IDLE_S = 12  # shorter than the first run: the reaper must wait for it anyway
 
 
-def _run(work, home, log, *flags: str, script_args: tuple[str, ...] = ()):
-    return run_cli("run", "hello.py", "--topology", "2x2x2", "--accelerator", "v4", "--log-dir", str(log), *flags,
-                   "--", *script_args, cwd=work, env=cli_env(TPULAUNCH_HOME=str(home)), timeout=300)
+def _run(work, home, log, *flags: str, script_args: tuple[str, ...] = (), debug: bool = False):
+    return run_cli(*(["--debug"] if debug else []), "run", "hello.py", "--topology", "2x2x2", "--accelerator", "v4",
+                   "--log-dir", str(log), *flags, "--", *script_args, cwd=work, env=cli_env(TPULAUNCH_HOME=str(home)), timeout=300)
 
 
 def _hosts_said(out: str) -> list[tuple[int, int, int, str]]:
@@ -65,7 +65,7 @@ def test_kept_cluster_is_warm_for_the_next_run_and_reaped_once_idle(tmp_path):
 
     try:
         # 2. no --address: takes the kept cluster; every host's spare takes the run
-        second = _run(work, home, logs / "2", "--debug")
+        second = _run(work, home, logs / "2", debug=True)
         assert second.returncode == 0, second.stderr[-3000:]
         assert "running on the emulated cluster already up" in second.stderr
         summary = last_summary(logs / "2")
@@ -74,7 +74,7 @@ def test_kept_cluster_is_warm_for_the_next_run_and_reaped_once_idle(tmp_path):
         assert _hosts_said(second.stdout) == [(0, 2, 0, "-"), (1, 2, 1, "-")]
 
         # 3. another environment: fresh processes, and --debug says which variable differed
-        third = _run(work, home, logs / "3", "--debug", "--env", "EXTRA=1")
+        third = _run(work, home, logs / "3", "--env", "EXTRA=1", debug=True)
         assert third.returncode == 0, third.stderr[-3000:]
         assert last_summary(logs / "3")["attempts"][0]["timings"]["prewarmed_hosts"] == 0
         assert "started a fresh process: the environment differs from the spare's in EXTRA" in third.stderr
