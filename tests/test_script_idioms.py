@@ -45,7 +45,8 @@ SCRIPTS = {
               f"master={xm.is_master_ordinal(local=False)} ordinal={xr.global_ordinal()}", flush=True)
         xm.master_print(f"MASTER_PRINT from {xr.process_index()}")
         ray_vars = sorted(k for k in ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE") if k in os.environ)
-        print(f"THREADS torch={torch.get_num_threads()} omp={os.environ.get('OMP_NUM_THREADS')} ray={ray_vars}", flush=True)
+        print(f"THREADS torch={torch.get_num_threads()} nice={os.nice(0)} omp={os.environ.get('OMP_NUM_THREADS')} ray={ray_vars}",
+              flush=True)
         dist.destroy_process_group()
         print("DESTROYED", dist.is_initialized(), flush=True)
         dist.init_process_group("gloo")  # env:// from MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
@@ -146,15 +147,16 @@ def _lines(proc, tag: str) -> dict[int, str]:
 def test_a_scripts_own_process_group_is_the_slices(shared_cluster, workdir, tmp_path, method, flags):
     """With tpulaunch's group (adopted) or without it (--no-dist): rank i of 4, destroy, init again.
 
-    The host's CPU threads are what the script gets when run by hand, not the 1 that Ray gives its
-    own worker processes (OMP_NUM_THREADS), and no variable of the agent's Ray worker leaks in."""
+    The host's CPU threads and priority are what the script gets when run by hand, not the 1 thread
+    (OMP_NUM_THREADS) and nice 15 that Ray gives its own worker processes, and no variable of the
+    agent's Ray worker leaks in."""
     proc = _run(shared_cluster, workdir, tmp_path, "own_group.py", method, flags=flags)
     groups, runtime, again = _lines(proc, "GROUP"), _lines(proc, "RUNTIME"), _lines(proc, "AGAIN")
     printed, threads = _lines(proc, "MASTER_PRINT from"), _lines(proc, "THREADS")
-    by_hand = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+    by_hand = subprocess.run([sys.executable, "-c", "import os, torch; print(f'torch={torch.get_num_threads()} nice={os.nice(0)}')"],
                              env=shared_cluster["env"], capture_output=True, text=True, check=True).stdout.strip()
     for i in range(HOSTS):
-        assert threads[i] == f"torch={by_hand} omp=None ray=[]"
+        assert threads[i] == f"{by_hand} omp=None ray=[]"
         assert groups[i] == f"rank={i} world=4 sum=6"
         # process i of 4, the slice's 16 devices, 4 of them this host's; in SPMD the global ordinal
         # is the virtual device's (0) on every host, so torch_xla's own master check says True on

@@ -32,7 +32,7 @@ HELLO = """
     time.sleep(args.sleep)
 """
 
-IDLE_S = 12  # shorter than the first run: the reaper must wait for it anyway
+IDLE_S = 5  # shorter than the first run and than the reaper's check interval: it must wait for the run
 
 
 def _run(work, home, log, *flags: str, script_args: tuple[str, ...] = (), debug: bool = False):

@@ -167,7 +167,7 @@ def step_times(out: str) -> list[float]:
 def step_section(ctx: dict) -> str:
     """Seconds per step of the 2D transformer recipe: directly vs under tpulaunch (warm 2x4 cluster)."""
     env, logs = ctx["env"], ctx["logs"]
-    steps, runs = 60, 3
+    steps, runs = 200, 3
     args = ["--steps", str(steps)]
     direct_env = {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "BENCH_TOPOLOGY": "2x4"}
     script = str((HERE / "step_time.py").relative_to(REPO))
