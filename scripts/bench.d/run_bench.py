@@ -250,7 +250,8 @@ runs here with `--compile-cache DIR` given explicitly.
 """ + "".join(f"| {n} | {e:.1f} | {w:.1f} | {o:.1f} | {e / w:.2f}x |\n" for n, e, w, o in rows) + """
 torch_xla 2.9 writes cached executables but cannot load them ("Failed to deserialize executable:
 UNIMPLEMENTED: Deserializing serialized executable not supported"), on TPU as on CPU
-(pytorch/xla#9094), so its row shows no gain and tpulaunch gives torch_xla no default cache.
+(pytorch/xla#9094): its warm-cache run is no faster than its run with no cache (the empty-cache
+run also pays for writing the cache), and tpulaunch gives torch_xla no default cache.
 """
 
 

@@ -5,8 +5,9 @@
 A detached process on this machine. Every run on the cluster touches `<temp dir>/last_used`; when
 that is older than the idle time and no run is under way, the reaper stops the cluster's processes
 and forgets its record. A run counts as under way while its launcher lives: it leaves its pid in
-`<temp dir>/runs/` for as long as it uses the cluster, so a training run longer than the idle time
-is never stopped under it.
+`<temp dir>/tpulaunch-runs/` for as long as it uses the cluster, so a training run longer than
+the idle time is never stopped under it.
+
 It ends by itself when the cluster is gone (`tpulaunch cluster down`). The temp dir is passed hex-
 encoded so that the reaper itself is not taken for a process of the cluster (they are found by
 the temp dir in their argv).
@@ -39,7 +40,7 @@ def in_use(temp_dir: str | None) -> Iterator[None]:
     if not temp_dir:
         yield
         return
-    mark = Path(temp_dir, "runs", str(os.getpid()))
+    mark = Path(temp_dir, "tpulaunch-runs", str(os.getpid()))
     try:
         mark.parent.mkdir(exist_ok=True)
         mark.touch()
@@ -58,7 +59,7 @@ def runs_under_way(temp_dir: str) -> list[int]:
     from tpulaunch.cluster.processes import alive
 
     live = []
-    for mark in Path(temp_dir, "runs").glob("*"):
+    for mark in Path(temp_dir, "tpulaunch-runs").glob("*"):
         if mark.name.isdigit() and alive(int(mark.name)):
             live.append(int(mark.name))
         else:
