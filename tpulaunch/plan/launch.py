@@ -91,8 +91,9 @@ class LaunchPlan:
     command: tuple[str, ...] = ()  # set for `tpulaunch exec`: run this instead of a script
     attempt: int = 0  # 0, then 1, 2, ... when the whole slice is restarted
     compile_cache: str | None = None  # persistent XLA compilation cache dir on each host ("~" is the host's)
-    # host:port of the store of tpulaunch's own gloo group. Not MASTER_PORT: a script that destroys
-    # the group and makes its own over env:// would otherwise race the old listener on that port.
+    # host:port of the store of tpulaunch's own gloo group (build_plan: the coordinator's unless a
+    # group port is given). Not MASTER_PORT: a script that destroys the group and makes its own over
+    # env:// would otherwise race the old listener on that port.
     group_address: str = ""
 
     @property
@@ -108,9 +109,8 @@ class LaunchPlan:
         group = f"{host0}:{group_port}" if group_port else self.group_address
         hosts = []
         for h in self.hosts:
-            env = dict(h.env, TPULAUNCH_RESTART_COUNT=str(attempt), TPULAUNCH_COORDINATOR_ADDRESS=coordinator)
-            if group:
-                env["TPULAUNCH_GROUP_ADDRESS"] = group
+            env = dict(h.env, TPULAUNCH_RESTART_COUNT=str(attempt), TPULAUNCH_COORDINATOR_ADDRESS=coordinator,
+                       TPULAUNCH_GROUP_ADDRESS=group)
             if coordinator_port:
                 env["MASTER_PORT"] = str(coordinator_port)
             if jax_coordinator_port and "JAX_COORDINATOR_ADDRESS" in env:
@@ -131,7 +131,7 @@ class LaunchPlan:
             "emulated": self.emulated,
             "distributed": self.distributed,
             "coordinator_address": self.coordinator_address,
-            "group_address": self.group_address or self.coordinator_address,
+            "group_address": self.group_address,
             "log_dir": self.log_dir,
             "workdir": self.workdir,
             "attempt": self.attempt,
@@ -194,7 +194,7 @@ class HostState:
             command=plan.command,
             restart_count=plan.attempt,
             compile_cache=plan.compile_cache,
-            group_address=plan.group_address or plan.coordinator_address,
+            group_address=plan.group_address,
         )
 
 

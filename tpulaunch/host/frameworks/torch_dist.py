@@ -44,7 +44,7 @@ def init_slice_group(state: "HostState") -> None:
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://{state.group_address or state.coordinator_address}",
+        init_method=f"tcp://{state.group_address}",
         rank=state.process_index,
         world_size=state.num_processes,
         timeout=dist_timeout(),
