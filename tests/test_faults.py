@@ -357,7 +357,7 @@ def test_launcher_signal_while_the_cluster_starts(workdir, tmp_path, sig, code):
         time.sleep(0.1)
     ours = [str(d) for d in set(Path("/tmp").glob("tpl-*")) - before]
     assert ours, "the cluster never started"
-    time.sleep(1.0)  # inside `ray start` of the first hosts
+    time.sleep(1.0)  # while the first hosts start
     t0 = time.monotonic()
     launch.proc.send_signal(sig)
     rc, _ = launch.finish(timeout=60)
@@ -419,9 +419,30 @@ def test_node_lost_is_blamed_and_the_slice_relaunched_on_a_restarted_node(shared
     assert all(h["alive"] and not h["busy"] for h in status["slices"][0]["hosts"]), status
 
 
+_SERVICES = {"Ray Client server": b"ray.util.client.server", "autoscaler monitor": b"autoscaler/_private/monitor.py",
+             "log monitor": b"log_monitor.py"}
+
+
+def _services_of(cluster_dir: str) -> set[str]:
+    """Which of Ray's optional head/node services run in the cluster living in `cluster_dir`."""
+    found = set()
+    for info in live_processes().values():
+        blob = info["cmdline"] + info["environ"] + info["fds"]
+        if cluster_dir.encode() in blob:
+            found |= {name for name, needle in _SERVICES.items() if needle in info["cmdline"]}
+    return found
+
+
+@pytest.mark.cluster
+def test_a_cluster_left_up_runs_the_services_other_drivers_use(shared_cluster):
+    cluster_dir = os.path.dirname(shared_cluster["info"]["token_path"])
+    assert _services_of(cluster_dir) == set(_SERVICES)
+
+
 @pytest.mark.lifecycle
 def test_head_node_lost(workdir, tmp_path):
     launch, cluster_dir = _own_cluster_launch(workdir, tmp_path)
+    assert _services_of(cluster_dir) == set(), "a run's own cluster serves no other driver"
     run_id = _run_id(tmp_path / "runs")
     for pid in _raylet_of(cluster_dir, 0):
         os.kill(pid, signal.SIGKILL)

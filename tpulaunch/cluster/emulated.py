@@ -1,8 +1,8 @@
 """Start and stop an emulated TPU slice cluster on this machine: one real Ray node per host.
 
-Emulated hosts are real Ray nodes started with `ray start` and the same environment GKE's TPU
-webhook gives a TPU pod (`TPU_NAME`, `TPU_WORKER_ID`, `TPU_ACCELERATOR_TYPE`, `TPU_TOPOLOGY`)
-plus `--resources '{"TPU": chips_per_host}'`. Ray's own `TPUAcceleratorManager` then derives
+Emulated hosts are real Ray nodes, started as `ray start` starts them (`nodes.py`), with the same
+environment GKE's TPU webhook gives a TPU pod (`TPU_NAME`, `TPU_WORKER_ID`, `TPU_ACCELERATOR_TYPE`,
+`TPU_TOPOLOGY`) plus the resource `{"TPU": chips_per_host}`. Ray's own `TPUAcceleratorManager` then derives
 the resources and labels it puts on real TPU hosts (`TPU`, `<slice name>`,
 `TPU-<type>-head` on worker 0, `accelerator_type:TPU-V6E`, `ray.io/tpu-slice-name`,
 `ray.io/tpu-worker-id`, ...), so scheduling code has one path for emulated and real slices.
@@ -21,8 +21,6 @@ import secrets
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Callable
 
 from tpulaunch.cluster.ports import free_ports
@@ -47,52 +45,64 @@ def host_node_env(spec: SliceSpec, topology: Topology, worker_id: int) -> dict[s
     }
 
 
-def _ray_bin() -> str:
-    exe = Path(sys.executable).parent / "ray"
-    return str(exe) if exe.exists() else "ray"
+def _start_nodes(info: ClusterInfo, nodes: list[dict], on_head: Callable[[str], None] | None = None,
+                 on_node: Callable[[int], None] | None = None) -> None:
+    """Start `nodes` (`nodes.py`'s protocol) in one helper process, one after another.
 
-
-def ray_start_argv(
-    *, head: bool, address: str | None, temp_dir: str, chips_per_host: int, ports: list[int],
-    dashboard: bool = False, log_monitor: bool = False,
-) -> list[str]:
-    """`ray start` for one emulated host; every port explicit so parallel starts cannot collide.
-
-    `log_monitor`: Ray's per-node log monitor, which forwards worker output to drivers. `tpulaunch
-    run` streams host output itself and needs none (a Python process per host saved); a cluster
-    left up for other drivers (Ray Train) needs it, or their workers' prints reach nobody.
+    One process for the batch instead of a `ray start` per node (each imports Ray's CLI, 1.3 CPU-s
+    here). The helper says when the head is up, so `on_head(address)` can connect a driver while
+    the other hosts join, and when each node is; its own output goes to `nodes.log` of the cluster.
     """
-    nm, om, agent_listen, agent_grpc, env_agent, metrics = ports[:6]
-    argv = [
-        _ray_bin(), "start",
-        "--node-ip-address", EMULATED_NODE_IP,
-        "--num-cpus", "1",
-        "--resources", json.dumps({"TPU": chips_per_host}),
-        "--temp-dir", temp_dir,
-        "--object-store-memory", str(OBJECT_STORE_BYTES),
-        "--min-worker-port", "0", "--max-worker-port", "0",
-        "--node-manager-port", str(nm), "--object-manager-port", str(om),
-        "--dashboard-agent-listen-port", str(agent_listen), "--dashboard-agent-grpc-port", str(agent_grpc),
-        "--runtime-env-agent-port", str(env_agent), "--metrics-export-port", str(metrics),
-        "--disable-usage-stats",
-        "--include-log-monitor", "true" if log_monitor else "false",
-    ]
-    if head:
-        argv += ["--head", "--port", str(ports[6]), "--ray-client-server-port", str(ports[7]),
-                 "--include-dashboard", "true" if dashboard else "false", "--dashboard-host", "127.0.0.1"]
-        if dashboard:
-            argv += ["--dashboard-port", str(ports[8])]
-    else:
-        argv += ["--address", address or ""]
-    return argv
+    assert info.temp_dir is not None
+    env = _base_env(info)
+    log_path = os.path.join(info.temp_dir, "nodes.log")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tpulaunch.cluster.nodes"], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps({"nodes": nodes}))
+    proc.stdin.close()
+    error = None
+    try:
+        for line in proc.stdout:
+            word, _, rest = line.strip().partition(" ")
+            if word == "head" and on_head is not None:
+                on_head(rest)
+            elif word == "node" and on_node is not None:
+                on_node(int(rest))
+            elif word == "error":
+                error = rest
+        code = proc.wait(timeout=START_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if code != 0 or error:
+        raise ClusterError(f"could not start the emulated Ray nodes: {error or f'exit {code}'}",
+                           f"run with --debug; Ray's logs are under {info.temp_dir} (the helper's in nodes.log)")
 
 
-def _run_ray_start(argv: list[str], env: dict[str, str], what: str) -> None:
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S)
-    if proc.returncode != 0:
-        tail = " | ".join(line for line in (proc.stdout + proc.stderr).splitlines()[-3:])
-        raise ClusterError(f"could not start Ray on {what} (ray start exited {proc.returncode}): {tail}",
-                           "run with --debug; Ray's logs are under the cluster temp dir")
+def node_spec(
+    info: ClusterInfo, spec: SliceSpec, topology: Topology, worker: int, ports: list[int], *,
+    head: bool = False, dashboard: bool = False,
+) -> dict:
+    """One emulated host for `nodes.py`: every port explicit, so nodes started close together
+    cannot pick the same one; its TPU identity in `env`.
+
+    Each joined host has a temp dir of its own inside the cluster's: nodes started in one session
+    directory pick the same per-node index for their log files and unix sockets (seen with Ray
+    2.60: two raylets in one `raylet.1.out`, the object store's `bind: Address already in use`).
+    Stopping by the cluster's directory still finds them all.
+    """
+    assert info.temp_dir is not None
+    temp_dir = info.temp_dir if head else os.path.join(info.temp_dir, f"s{spec.slice_index}w{worker}")
+    os.makedirs(temp_dir, exist_ok=True)
+    return {
+        "head": head, "address": None if head else (info.address or None), "temp_dir": temp_dir,
+        "env": host_node_env(spec, topology, worker), "ports": ports, "chips": topology.chips_per_host,
+        "object_store_bytes": OBJECT_STORE_BYTES, "node_ip": EMULATED_NODE_IP, "dashboard": dashboard,
+        "services": info.log_monitor,
+    }
 
 
 # A lost emulated host is noticed in seconds (Ray's defaults take about half a minute): the head
@@ -115,23 +125,6 @@ def _base_env(info: ClusterInfo) -> dict[str, str]:
     return env
 
 
-def _join(info: ClusterInfo, spec: SliceSpec, topology: Topology, worker: int, ports: list[int]) -> None:
-    """`ray start` one more emulated host into the cluster at `info.address`.
-
-    Each joined host has a temp dir of its own inside the cluster's: `ray start`s running at the
-    same time in one session directory pick the same per-node index for their log files and
-    unix sockets (seen with Ray 2.60: two raylets in one `raylet.1.out`, the object store's
-    `bind: Address already in use`). Stopping by the cluster's directory still finds them all.
-    """
-    assert info.temp_dir is not None
-    node_dir = os.path.join(info.temp_dir, f"s{spec.slice_index}w{worker}")
-    os.makedirs(node_dir, exist_ok=True)
-    env = {**_base_env(info), **host_node_env(spec, topology, worker)}
-    argv = ray_start_argv(head=False, address=info.address, temp_dir=node_dir,
-                          chips_per_host=topology.chips_per_host, ports=ports, log_monitor=info.log_monitor)
-    _run_ray_start(argv, env, f"host {worker} of slice {spec.name}")
-
-
 def start_emulated(
     slices: list[SliceSpec], topology: Topology, *, dashboard: bool = False, log_monitor: bool = False,
     progress: Callable[[str], None] | None = None, on_head: Callable[[ClusterInfo], None] | None = None,
@@ -140,6 +133,8 @@ def start_emulated(
 
     `on_head(info)` runs once the head is up, before the other hosts join: work that needs only
     the cluster's address (a driver connecting, agents waiting for their nodes) overlaps the joins.
+    `log_monitor`: the cluster is left up for other drivers (`cluster up`): its nodes forward
+    worker output to drivers, and the head runs the Ray Client server and the autoscaler monitor.
     """
     say = progress or (lambda _m: None)
     temp_dir = tempfile.mkdtemp(prefix="tpl-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
@@ -151,25 +146,21 @@ def start_emulated(
                        slices=[s.to_dict() for s in slices], log_monitor=log_monitor)
     hosts = [(s, w) for s in slices for w in range(topology.num_hosts)]
     ports = free_ports(9 * len(hosts))
-    try:
-        s0, w0 = hosts[0]
-        say(f"starting the Ray head: host 0 of slice {s0.name}")
-        env = {**_base_env(info), **host_node_env(s0, topology, w0)}
-        _run_ray_start(ray_start_argv(head=True, address=None, temp_dir=temp_dir, chips_per_host=topology.chips_per_host,
-                                      ports=ports[0:9], dashboard=dashboard, log_monitor=log_monitor),
-                       env, "the head node")
-        info.address = (Path(temp_dir) / "ray_current_cluster").read_text().strip()
+    nodes = [node_spec(info, s, topology, w, ports[9 * i:9 * i + 9], head=i == 0, dashboard=dashboard)
+             for i, (s, w) in enumerate(hosts)]
+
+    def head_up(address: str) -> None:
+        info.address = address
         if on_head is not None:
             on_head(info)
-        # In parallel: every port is explicit and below the ephemeral range (`ports.py`), so no
-        # start can take another's port (the `bind: Address already in use` of earlier versions).
-        def join(i: int) -> None:
-            s, w = hosts[i]
-            _join(info, s, topology, w, ports[9 * i:9 * i + 9])
-            say(f"host {w} of slice {s.name} joined")
 
-        with ThreadPoolExecutor(max_workers=min(8, max(1, len(hosts) - 1))) as pool:
-            list(pool.map(join, range(1, len(hosts))))
+    def joined(i: int) -> None:
+        s, w = hosts[i]
+        say(f"host {w} of slice {s.name} joined")
+
+    say(f"starting the Ray head: host 0 of slice {hosts[0][0].name}")
+    try:
+        _start_nodes(info, nodes, on_head=head_up, on_node=joined)
     except BaseException:
         stop_cluster(info)
         raise
@@ -184,8 +175,8 @@ def restart_hosts(info: ClusterInfo, topology: Topology, missing: list[tuple[str
     """
     specs = {d["name"]: SliceSpec.from_dict(d) for d in info.slices}
     ports = free_ports(9 * len(missing))
-    for k, (name, worker) in enumerate(missing):
-        _join(info, specs[name], topology, worker, ports[9 * k:9 * k + 9])
+    _start_nodes(info, [node_spec(info, specs[name], topology, worker, ports[9 * k:9 * k + 9])
+                        for k, (name, worker) in enumerate(missing)])
 
 
 def stop_cluster(info: ClusterInfo, grace_s: float = 1.0) -> int:

@@ -1,0 +1,97 @@
+"""Start the Ray nodes of an emulated slice from one process: what `ray start` does, without a
+Python CLI per node.
+
+Each `ray start` is a Python process that imports Ray's CLI (1.3 CPU-s on these machines) to
+construct one `ray._private.node.Node` and exit. On an emulated slice every node shares the
+machine's cores with the hosts' framework imports, so four of them cost a cold launch seconds.
+This module is run once per batch of nodes (`python -m tpulaunch.cluster.nodes`, the batch as JSON
+on stdin), constructs the same `Node` objects one after another, each with its host's TPU
+identity in the environment (Ray's `TPUAcceleratorManager` reads it while the node is resolved),
+prints a line per node and exits; the nodes' processes outlive it, as they outlive `ray start`.
+
+It also starts only what the cluster is used for: the Ray Client server and the autoscaler
+monitor run on clusters left up for other drivers (`services`), not on a run's own cluster.
+
+`Node` is Ray's private API (the one `ray start` and `ray.cluster_utils` use). Only emulated
+clusters use this module, and every lifecycle test of the suite starts one through it, so a Ray
+release that changes `Node` fails the suite, not a user's run on a real slice.
+
+Protocol: stdin `{"nodes": [NODE, ...]}`; NODE = {"head": bool, "address": str | null,
+"temp_dir": str, "env": {...}, "ports": [9 ints], "chips": int, "object_store_bytes": int,
+"node_ip": str, "dashboard": bool, "services": bool}. stdout: `head ADDRESS` once the head is up,
+`node I` once node I is, `error MESSAGE` (then exit 1) if one cannot start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def _params(node: dict):  # noqa: ANN202 - a ray._private.parameter.RayParams
+    from ray._private.parameter import RayParams
+
+    nm, om, agent_listen, agent_grpc, env_agent, metrics, gcs, client, dash = node["ports"][:9]
+    services = node["services"]
+    params = RayParams(
+        node_ip_address=node["node_ip"], node_name=node["node_ip"],
+        num_cpus=1, resources={"TPU": node["chips"]}, object_store_memory=node["object_store_bytes"],
+        temp_dir=node["temp_dir"], min_worker_port=0, max_worker_port=0,
+        node_manager_port=nm, object_manager_port=om,
+        dashboard_agent_listen_port=agent_listen, metrics_agent_port=agent_grpc,
+        runtime_env_agent_port=env_agent, metrics_export_port=metrics,
+        include_log_monitor=services, no_monitor=not services,
+        ray_client_server_port=client if node["head"] and services else None,
+        include_dashboard=node["dashboard"], dashboard_host="127.0.0.1",
+        dashboard_port=dash if node["dashboard"] else None,
+    )
+    if node["head"]:
+        params.gcs_server_port = gcs
+        params.update_if_absent(redis_shard_ports=None, num_redis_shards=None, redis_max_clients=None)
+    else:
+        params.gcs_address = node["address"]
+    return params
+
+
+def start_node(node: dict) -> str:
+    """Construct one Ray node (head or worker) with `node["env"]` set; returns the GCS address."""
+    import ray._private.node
+    from ray._private.utils import write_ray_address
+
+    os.environ.update(node["env"])  # read while the node resolves its resources, inherited by its processes
+    try:
+        started = ray._private.node.Node(_params(node), head=node["head"], shutdown_at_exit=False,
+                                         spawn_reaper=False)
+    finally:
+        for k in node["env"]:
+            os.environ.pop(k, None)
+    address = started.address if node["head"] else node["address"]
+    write_ray_address(address, node["temp_dir"])  # as `ray start` does: `ray_current_cluster`
+    return address
+
+
+def main() -> int:
+    batch = json.load(sys.stdin)
+    address = None
+    for i, node in enumerate(batch["nodes"]):
+        if not node["head"]:
+            node["address"] = node["address"] or address
+        try:
+            got = start_node(node)
+        except Exception as e:  # noqa: BLE001 - one line for the launcher, the rest to the log
+            traceback.print_exc(file=sys.stderr)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"error {type(e).__name__}: {first}", flush=True)
+            return 1
+        if node["head"]:
+            address = got
+            print(f"head {got}", flush=True)
+        else:
+            print(f"node {i}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
