@@ -262,6 +262,20 @@ def test_recipe_jax_mlp_loss_falls(shared_cluster, tmp_path):
 
 
 @pytest.mark.cluster
+def test_recipe_jax_transformer_trains_with_2d_sharding(shared_cluster, tmp_path):
+    """The JAX demo: batch over `data`, Megatron-split weights over `model`, one jit per step."""
+    proc = run_cli("run", "recipes/jax_transformer.py", "--topology", "2x8", "--address", "auto", "--framework", "jax",
+                   "--no-compile-cache", "--log-dir", str(tmp_path), "--", "--steps", "12", "--layers", "1",
+                   cwd=REPO, env=shared_cluster["env"], timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[host 0] mesh {'data': 4, 'model': 4}, 4 host(s), emulated" in proc.stdout, proc.stdout
+    curves = [[float(m) for m in re.findall(rf"\[host {i}\] host {i} step \d+ loss ([0-9.]+)", proc.stdout)]
+              for i in range(4)]
+    assert len(curves[0]) == 4 and curves[0][-1] < curves[0][0] * 0.2, curves[0]
+    assert all(c == curves[0] for c in curves), "SPMD: every host reports the same global loss"
+
+
+@pytest.mark.cluster
 def test_a_dying_host_fails_the_jax_launch_fast(shared_cluster, workdir, tmp_path):
     # A huge shutdown timeout: if a failed host waited in jax.distributed.shutdown's barrier
     # (with hosts that never arrive), this run would hang instead of failing fast.
@@ -285,7 +299,13 @@ def test_a_dying_host_fails_the_jax_launch_fast(shared_cluster, workdir, tmp_pat
 
 @pytest.mark.cluster
 def test_the_compile_cache_is_written_by_one_run_and_read_by_the_next(shared_cluster, tmp_path):
-    """JAX's persistent cache: process 0 writes it (JAX's rule), every host reads it next time."""
+    """JAX's persistent cache: process 0 writes it (JAX's rule) and reads it on the next run.
+
+    On a TPU slice every host computes the same cache key, so every host reads process 0's
+    entries. On CPU devices JAX's key includes the CPU topology's fingerprint, which differs per
+    process, so on an emulated slice hosts 1-3 compute keys of their own and compile again
+    (`BENCHMARKS.md` shows what that costs); this test checks what holds on both: process 0.
+    """
     cache = tmp_path / "cache"
 
     def train(log: str) -> str:
@@ -293,7 +313,8 @@ def test_the_compile_cache_is_written_by_one_run_and_read_by_the_next(shared_clu
                        "--compile-cache", str(cache), "--env", "JAX_LOG_COMPILES=1", "--log-dir", str(tmp_path / log),
                        "--", "--steps", "3", cwd=REPO, env=shared_cluster["env"], timeout=400)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        return "\n".join(Path(h["log"]).read_text() for h in last_summary(tmp_path / log)["hosts"])
+        hosts = sorted(last_summary(tmp_path / log)["hosts"], key=lambda h: h["process_index"])
+        return Path(hosts[0]["log"]).read_text()
 
     first = train("first")
     entries = sorted(p for p in cache.rglob("*") if p.is_file())
@@ -301,5 +322,5 @@ def test_the_compile_cache_is_written_by_one_run_and_read_by_the_next(shared_clu
     assert "Persistent compilation cache hit" not in first
     second = train("second")
     hits = re.findall(r"Persistent compilation cache hit for '([^']+)'", second)
-    assert "jit_train_step" in " ".join(hits) or len(hits) >= 4, hits
+    assert "jit_train_step" in " ".join(hits), hits
     assert sorted(p for p in cache.rglob("*") if p.is_file()) == entries, "the second run compiled anew"

@@ -167,31 +167,39 @@ def step_times(out: str) -> list[float]:
 def step_section(ctx: dict) -> str:
     """Seconds per step of the 2D transformer recipe: directly vs under tpulaunch (warm 2x4 cluster)."""
     env, logs = ctx["env"], ctx["logs"]
-    steps, runs = 200, 3
+    steps, runs = 200, 5
     args = ["--steps", str(steps)]
     direct_env = {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "BENCH_TOPOLOGY": "2x4"}
     script = str((HERE / "step_time.py").relative_to(REPO))
     timed([*TL, "cluster", "up", "--topology", "2x4"], env)
     direct, tl = [], []
     try:
-        for k in range(runs):  # interleaved, so a slow patch of the machine hits both alike
-            print(f"bench: step time, run {k + 1} of {runs}: direct, then tpulaunch", file=sys.stderr)
+        for k in range(runs):  # in pairs, back to back, so a slow patch of the machine hits both alike
+            print(f"bench: step time, pair {k + 1} of {runs}: direct, then tpulaunch", file=sys.stderr)
+            time.sleep(10)  # the host's spare process (started after the last run) has finished importing
             direct.append(statistics.median(step_times(timed([PY, script, *args], direct_env)[1])))
-            time.sleep(10)  # the hosts' spare processes finish importing, as between edits
+            time.sleep(10)
             tl.append(statistics.median(step_times(
                 timed([*TL, "run", script, "--topology", "2x4", "--address", "auto", *logs, "--", *args], env)[1])))
     finally:
         timed([*TL, "cluster", "down"], env)
     d, t = statistics.median(direct), statistics.median(tl)
+    pair = statistics.median(b / a for a, b in zip(direct, tl))
     return f"""## Step time (2D transformer recipe, 1 host x 8 devices)
 
 Measured on {datetime.date.today().isoformat()}: median seconds per step over {steps} steps (the first 5 dropped),
-{runs} runs each, alternating; tpulaunch runs on a warm emulated 2x4 cluster.
+{runs} pairs of runs, each pair a direct run then a `tpulaunch run` right after it (10 s apart, with
+the same idle emulated 2x4 cluster up during both). The step-time ratio is the median of the pairs'
+ratios: the machine's speed drifts by more than the gap measured (runs of one kind vary by up to
+1.4x here), and the two runs of a pair share its state.
 
-| how | runs (median s/step) | median | ratio |
-| --- | --- | ---: | ---: |
-| directly, one process (8 CPU devices) | {", ".join(f"{x:.4f}" for x in direct)} | {d:.4f} | 1.000 |
-| `tpulaunch run` (1 emulated host) | {", ".join(f"{x:.4f}" for x in tl)} | {t:.4f} | {t / d:.3f} |
+| how | runs (median s/step) | median |
+| --- | --- | ---: |
+| directly, one process (8 CPU devices) | {", ".join(f"{x:.4f}" for x in direct)} | {d:.4f} |
+| `tpulaunch run` (1 emulated host) | {", ".join(f"{x:.4f}" for x in tl)} | {t:.4f} |
+| ratio of each pair | {", ".join(f"{b / a:.3f}" for a, b in zip(direct, tl))} | **{pair:.3f}** |
+
+Ratio of the two medians: {t / d:.3f}.
 """
 
 
@@ -219,39 +227,52 @@ From 4 to 8 hosts the launch grows {launch[8] / launch[4]:.2f}x; the floor itsel
 """
 
 
+FIRST_STEP_CASES = [  # (what, recipe, topology, hosts)
+    ("torch_xla demo (transformer_2d)", "recipes/transformer_2d.py", "2x8", 4),
+    ("JAX demo (jax_transformer)", "recipes/jax_transformer.py", "2x4", 1),
+    ("JAX demo (jax_transformer)", "recipes/jax_transformer.py", "2x8", 4),
+]
+
+
 def first_step_section(ctx: dict) -> str:
     """Time to the first training step, with an empty persistent compilation cache and a warm one."""
     env = ctx["env"]
     logs = ["--log-dir", os.path.join(env["TPULAUNCH_HOME"], "runs")]
     rows = []
-    timed([*TL, "cluster", "up", "--topology", "2x8"], env)
-    try:
-        for name, recipe in (("torch_xla demo (transformer_2d)", "recipes/transformer_2d.py"),
-                             ("JAX recipe (jax_mlp)", "recipes/jax_mlp.py")):
+    for name, recipe, topo, hosts in FIRST_STEP_CASES:
+        framework = "jax" if "jax" in recipe else "torch_xla"  # the hosts' spares import what the script will
+        timed([*TL, "cluster", "up", "--topology", topo, "--prewarm", framework], env)
+        try:
             cache = tempfile.mkdtemp(prefix="tpl-bench-cache-")
             seen = []
             for label in ("empty cache", "warm cache", "no cache"):
                 time.sleep(SPARES_READY_S)
                 flags = ["--no-compile-cache"] if label == "no cache" else ["--compile-cache", cache]
-                seen.append(time_to(r"step 0 ", [*TL, "run", recipe, "--topology", "2x8", "--address", "auto", *logs,
-                                                 *flags, "--", "--steps", "3"], env))
-            rows.append((name, *seen))
-    finally:
-        timed([*TL, "cluster", "down"], env)
+                seen.append(time_to(r"step 0 ", [*TL, "run", recipe, "--topology", topo, "--address", "auto",
+                                                 "--framework", framework, *logs, *flags, "--", "--steps", "3"], env))
+            rows.append((name, f"{hosts} ({topo})", *seen))
+        finally:
+            timed([*TL, "cluster", "down"], env)
     return f"""## Time to the first step, persistent compilation cache
 
-Measured on {datetime.date.today().isoformat()} on a warm emulated 2x8 (spares ready): seconds from the
-command's start to the first `step 0` line. The cache is on by default
-for JAX (`~/.cache/tpulaunch/xla-cache/jax/<slice>`; `--compile-cache DIR`, `--no-compile-cache`); torch_xla
-runs here with `--compile-cache DIR` given explicitly.
+Measured on {datetime.date.today().isoformat()} on a warm emulated slice (spares ready): seconds from the
+command's start to the first `step 0` line, one run each, in the order empty, warm, none. The
+cache is on by default for JAX (`~/.cache/tpulaunch/xla-cache/jax/<slice>`; `--compile-cache DIR`,
+`--no-compile-cache`); torch_xla runs here with `--compile-cache DIR` given explicitly.
 
-| script | empty cache | warm cache | no cache | warm vs empty |
-| --- | ---: | ---: | ---: | ---: |
-""" + "".join(f"| {n} | {e:.1f} | {w:.1f} | {o:.1f} | {e / w:.2f}x |\n" for n, e, w, o in rows) + """
-torch_xla 2.9 writes cached executables but cannot load them ("Failed to deserialize executable:
-UNIMPLEMENTED: Deserializing serialized executable not supported"), on TPU as on CPU
-(pytorch/xla#9094): its warm-cache run is no faster than its run with no cache (the empty-cache
-run also pays for writing the cache), and tpulaunch gives torch_xla no default cache.
+| script | hosts | empty cache | warm cache | no cache | warm vs empty |
+| --- | --- | ---: | ---: | ---: | ---: |
+""" + "".join(f"| {n} | {h} | {e:.1f} | {w:.1f} | {o:.1f} | {e / w:.2f}x |\n" for n, h, e, w, o in rows) + """
+- **torch_xla**: 2.9 writes cached executables but cannot load them ("Failed to deserialize
+  executable: UNIMPLEMENTED: Deserializing serialized executable not supported"), on TPU as on CPU
+  (pytorch/xla#9094): its warm-cache run is no faster than its run with no cache, and tpulaunch
+  gives torch_xla no default cache.
+- **JAX, one host**: what every host of a TPU slice does: it reads the entries process 0 wrote.
+- **JAX, four emulated hosts**: only process 0 reads the cache. JAX keys an entry by, among
+  other things, the fingerprint of the devices' topology; a TPU slice's topology is the same on
+  every host, but the CPU topology of each emulated host process is its own, so hosts 1-3 compute
+  other keys, miss, and compile again (JAX writes from process 0 only). The first step waits for
+  the slowest host, so the emulated 4-host slice shows little of the cache.
 """
 
 
