@@ -185,13 +185,14 @@ def step_section(ctx: dict) -> str:
         timed([*TL, "cluster", "down"], env)
     d, t = statistics.median(direct), statistics.median(tl)
     pair = statistics.median(b / a for a, b in zip(direct, tl))
+    spread = max(max(direct) / min(direct), max(tl) / min(tl))
     return f"""## Step time (2D transformer recipe, 1 host x 8 devices)
 
 Measured on {datetime.date.today().isoformat()}: median seconds per step over {steps} steps (the first 5 dropped),
 {runs} pairs of runs, each pair a direct run then a `tpulaunch run` right after it (10 s apart, with
 the same idle emulated 2x4 cluster up during both). The step-time ratio is the median of the pairs'
 ratios: the machine's speed drifts by more than the gap measured (runs of one kind vary by up to
-1.4x here), and the two runs of a pair share its state.
+{spread:.2f}x in this run), and the two runs of a pair share its state.
 
 | how | runs (median s/step) | median |
 | --- | --- | ---: |
