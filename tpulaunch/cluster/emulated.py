@@ -21,6 +21,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Callable
 
 from tpulaunch.cluster.ports import free_ports
@@ -62,9 +63,24 @@ def _start_nodes(info: ClusterInfo, nodes: list[dict], on_head: Callable[[str], 
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps({"nodes": nodes}))
     proc.stdin.close()
+    stalled = threading.Event()
+
+    def give_up() -> None:
+        stalled.set()
+        proc.kill()
+
+    def watchdog() -> threading.Timer:  # each node gets START_TIMEOUT_S, as each `ray start` did
+        timer = threading.Timer(START_TIMEOUT_S, give_up)
+        timer.daemon = True
+        timer.start()
+        return timer
+
     error = None
+    timer = watchdog()
     try:
         for line in proc.stdout:
+            timer.cancel()
+            timer = watchdog()
             word, _, rest = line.strip().partition(" ")
             if word == "head" and on_head is not None:
                 on_head(rest)
@@ -72,11 +88,14 @@ def _start_nodes(info: ClusterInfo, nodes: list[dict], on_head: Callable[[str], 
                 on_node(int(rest))
             elif word == "error":
                 error = rest
-        code = proc.wait(timeout=START_TIMEOUT_S)
+        code = proc.wait()
     finally:
+        timer.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    if stalled.is_set():
+        error = f"a node did not come up within {START_TIMEOUT_S:g} s"
     if code != 0 or error:
         raise ClusterError(f"could not start the emulated Ray nodes: {error or f'exit {code}'}",
                            f"run with --debug; Ray's logs are under {info.temp_dir} (the helper's in nodes.log)")
