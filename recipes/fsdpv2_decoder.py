@@ -16,6 +16,7 @@ The same script runs unchanged on a TPU slice (point --ckpt-dir at a gs:// path 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,10 @@ def main() -> None:
     torch.manual_seed(0)  # every host builds the same initial weights
     model = FSDPv2(Decoder(args.layers).to(device), extra_data_axis="data")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if "://" not in args.ckpt_dir:
+        # Hosts sharing a filesystem (NFS, Filestore, an emulated slice) would race in
+        # CheckpointManager's own exists-then-mkdir; a gs:// bucket needs no directory.
+        os.makedirs(args.ckpt_dir, exist_ok=True)
     ckpt = xc.CheckpointManager(args.ckpt_dir, args.ckpt_every)
 
     start = 0

@@ -1,98 +1,18 @@
 """Shared test set-up.
 
-* Output is pinned (NO_COLOR, COLUMNS) so CLI assertions are exact.
-* `run_cli(...)` runs the real console entry point in a subprocess, as a user would.
+* Output is pinned (NO_COLOR, COLUMNS) so CLI assertions are exact (`support.py` sets them).
 * The emulated Ray cluster used by launch tests is started once per session (`shared_cluster`)
   and shared; only lifecycle tests start their own.
+* `tests/unit/` is the unit tier (`./scripts/test -m unit`), `tests/integration/` the rest.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-FAKES = REPO / "tests" / "fakes"
-
-os.environ["NO_COLOR"] = "1"
-os.environ["COLUMNS"] = "100"
-os.environ.pop("FORCE_COLOR", None)
-os.environ.pop("RAY_ADDRESS", None)
-os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(extra)
-    return env
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str | Path | None = None,
-            input: str | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m tpulaunch ARGS...` and capture stdout/stderr as text."""
-    return subprocess.run(
-        [sys.executable, "-m", "tpulaunch", *args],
-        env=env or cli_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd, input=input,
-    )
-
-
-def run_json(*args: str, **kw) -> dict:
-    proc = run_cli(*args, "--json", **kw)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
-def write_scripts(directory: Path, scripts: dict[str, str]) -> Path:
-    """Write dedented test scripts into a directory (a launch's working directory)."""
-    import textwrap
-
-    for name, body in scripts.items():
-        (directory / name).write_text(textwrap.dedent(body))
-    return directory
-
-
-def live_processes() -> dict[int, dict[str, bytes]]:
-    """Every live (not zombie) process: its argv, environment and the paths of its open files."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            state = Path(f"/proc/{entry}/stat").read_text().split(") ")[-1][:1]
-            info = {"cmdline": Path(f"/proc/{entry}/cmdline").read_bytes(),
-                    "environ": Path(f"/proc/{entry}/environ").read_bytes(),
-                    "fds": b"".join(os.readlink(f"/proc/{entry}/fd/{fd}").encode() for fd in os.listdir(f"/proc/{entry}/fd"))}
-        except OSError:
-            continue
-        if state != "Z":
-            out[int(entry)] = info
-    return out
-
-
-def processes_mentioning(needles: list[str]) -> list[str]:
-    """Live processes whose argv, environment or open files mention any needle.
-
-    A host process that was a spare shows its run only by a file it holds open (its environment
-    predates the run): `tpulaunch-run-<run id>-...`.
-    """
-    out = []
-    for pid, info in live_processes().items():
-        blob = info["cmdline"] + info["environ"] + info["fds"]
-        if any(n.encode() in blob for n in needles):
-            out.append(f"{pid}: {blob[:160]!r}")
-    return out
-
-
-def last_summary(log_root: Path) -> dict:
-    """summary.json of the newest run under a --log-dir."""
-    runs = sorted(log_root.iterdir())
-    assert runs, f"no run directory under {log_root}"
-    return json.loads((runs[-1] / "summary.json").read_text())
+from support import cli_env, run_cli
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ class ExitCode:
     DISCOVERY = 3  # slice could not be found or read (API, metadata server)
     NOT_READY = 4  # slice found but not READY / unhealthy
     CLUSTER = 5  # Ray could not be started, joined, or could not give us the slice in time
+    STATE = 6  # tpulaunch's own state here cannot be used: a corrupt or foreign record, an exposed token
     INTERNAL = 70  # a bug in tpulaunch (EX_SOFTWARE)
     HOST_LOST = 75  # a host was lost (node or agent died) or preempted, beyond --max-preemptions (EX_TEMPFAIL)
     BOOT_FAILED = 86  # a host could not boot its framework or build the mesh
@@ -68,11 +69,18 @@ class ClusterError(TpulaunchError):
     exit_code = ExitCode.CLUSTER
 
 
+class StateError(TpulaunchError):
+    """tpulaunch's own files on this machine cannot be used as they are: a corrupt or foreign cluster
+    record, a token file others can read, a state directory that is not one. Nothing is touched."""
+
+    exit_code = ExitCode.STATE
+
+
 class MeshMismatchError(MeshError):
     """The runtime's devices do not match the planned mesh (raised inside a host)."""
 
 
-# -- discovery (tpulaunch/discovery/) -------------------------------------------------------------
+# -- discovery (tpulaunch/discover/) --------------------------------------------------------------
 
 
 class CredentialsError(DiscoveryError):

@@ -14,13 +14,13 @@ Secrets never go into argv (visible in `ps` on both ends and in gcloud's logs): 
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
 import subprocess
 from typing import Mapping, Sequence
 
+from tpulaunch import settings
 from tpulaunch.errors import ClusterError
 
 GCLOUD_TIMEOUT_ENV = "TPULAUNCH_GCLOUD_TIMEOUT"
@@ -36,10 +36,7 @@ def config_get(key: str, timeout: float | None = None) -> str | None:
     if not exe:
         return None
     if timeout is None:
-        try:
-            timeout = float(os.environ.get(GCLOUD_TIMEOUT_ENV, "") or DEFAULT_TIMEOUT)
-        except ValueError:
-            timeout = DEFAULT_TIMEOUT
+        timeout = settings.seconds(GCLOUD_TIMEOUT_ENV, DEFAULT_TIMEOUT)
     try:
         proc = subprocess.run(
             [exe, "config", "get-value", key],

@@ -40,6 +40,7 @@ from ray.train.v2.jax.config import JaxConfig
 from tpulaunch.discover.ray_labels import POD_TYPE, SLICE, TOPO, WORKER
 from tpulaunch.errors import ExitCode, LaunchError, TpulaunchError
 from tpulaunch.host import frameworks
+from tpulaunch.plan.env import host_env
 from tpulaunch.plan.launch import HostState, LaunchPlan, build_plan, default_compile_cache, new_run_id
 from tpulaunch.plan.mesh import parse_axes, plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
@@ -123,8 +124,8 @@ def plan_for_workers(
         compile_cache=(default_compile_cache(framework, topology, len(slices), emulated) if compile_cache is True
                        else compile_cache or None),
     ).for_attempt(attempt)
-    by_host = {(h.slice_name, h.worker_id): h for h in plan.hosts}
-    states = {f.rank: HostState.for_host(plan, by_host[(f.slice_name, f.worker_id)]) for f in facts}
+    by_host = {(h.slice_name, h.worker_id): h.process_index for h in plan.hosts}
+    states = {f.rank: plan.state(by_host[(f.slice_name, f.worker_id)]) for f in facts}
     return plan, states
 
 
@@ -230,9 +231,8 @@ class _SliceBackend(Backend):
         ports = worker_group.execute_single(zero, _free_ports, 3)
         plan, states = plan_for_workers(facts, ports=ports, log_dir=worker_group.execute_single(zero, _storage_path),
                                         **args)
-        env = {h.process_index: h.env for h in plan.hosts}
         futures = {rank: worker_group.execute_single_async(
-            rank, _boot_worker, pickle.dumps(state), {**env[state.process_index], **backend_config.env})
+            rank, _boot_worker, pickle.dumps(state), {**host_env(state), **backend_config.env})
             for rank, state in states.items()}
         failed = []
         for rank, fut in sorted(futures.items(), key=lambda kv: states[kv[0]].process_index):

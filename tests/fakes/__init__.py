@@ -58,3 +58,30 @@ def run_cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.
 def flat(text: str) -> str:
     """Whitespace-normalized text, so assertions survive terminal-width wrapping."""
     return " ".join(text.split())
+
+
+def invoke(*args: str, env: dict[str, str] | None = None, timeout: float | None = None,
+           cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Run a `tpulaunch` command line in this process (the same entry as the console script, minus
+    the interpreter start): exit code, stdout and stderr as a subprocess would give them.
+    (`timeout` is `run_cli`'s; in this process pytest's own timeout bounds the call.)"""
+    import contextlib
+    import io
+
+    from tpulaunch import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    saved, here = dict(os.environ), os.getcwd()
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.invoke(list(args))
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["tpulaunch", *args], code, out.getvalue(), err.getvalue())

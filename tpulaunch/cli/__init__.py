@@ -79,27 +79,27 @@ def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     return tuple(usage), tuple(abort)
 
 
-def main() -> None:
-    """Console-script entry point."""
+def invoke(argv: list[str]) -> int:
+    """Run one `tpulaunch` command line in this process; returns its exit code (never raises for
+    a user's mistake: one line on stderr instead). `main()` and the in-process tests both use it."""
     from tpulaunch.cli.output import Output
 
-    _register(sys.argv[1:])
-    if any(a == "--debug" for a in sys.argv[1:]):
-        _DEBUG["on"] = True
+    _register(argv)
+    _DEBUG["on"] = os.environ.get("TPULAUNCH_DEBUG", "") not in ("", "0") or "--debug" in argv
     try:
-        rc = app(standalone_mode=False)
+        rc = app(args=argv, prog_name="tpulaunch", standalone_mode=False)
     except TpulaunchError as e:
         if debug_enabled():
             import traceback
 
             traceback.print_exc()
         Output().error(e.line())
-        _leave(e.exit_code)
-    except SystemExit:
-        raise
+        return e.exit_code
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:
         Output().error("interrupted")
-        sys.exit(ExitCode.INTERRUPTED)
+        return ExitCode.INTERRUPTED
     except Exception as e:  # noqa: BLE001 - last-resort handler
         click_exc, abort_exc = _click_exception_types()
         if isinstance(e, click_exc):
@@ -107,9 +107,9 @@ def main() -> None:
             ctx = getattr(e, "ctx", None)
             where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             Output().error(f"{e.format_message()}{where}")
-            sys.exit(e.exit_code)
+            return e.exit_code
         if isinstance(e, abort_exc):
-            sys.exit(ExitCode.INTERRUPTED)
+            return ExitCode.INTERRUPTED
         if debug_enabled():
             import traceback
 
@@ -118,9 +118,13 @@ def main() -> None:
             f"internal error: {type(e).__name__}: {e}. This is a tpulaunch bug; rerun with --debug"
             " for the traceback and report it"
         )
-        sys.exit(ExitCode.INTERNAL)
-    else:
-        _leave(rc if isinstance(rc, int) else 0)
+        return ExitCode.INTERNAL
+    return rc if isinstance(rc, int) else 0
+
+
+def main() -> None:
+    """Console-script entry point."""
+    _leave(invoke(sys.argv[1:]))
 
 
 def _leave(code: int) -> None:

@@ -13,9 +13,7 @@ from tpulaunch.cluster.connect import connect, disconnect, resolve_address
 from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, save_record
 from tpulaunch.cli import app
 from tpulaunch.cli import cmd_cluster_remote as remote
-from tpulaunch.cli.cmd_mesh import NUM_SLICES_OPT
-from tpulaunch.cli.cmd_slice import PROJECT_OPT, ZONE_OPT
-from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
+from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
 from tpulaunch.errors import ClusterError, LaunchError, TpulaunchError
 from tpulaunch.host import frameworks
@@ -28,23 +26,23 @@ remote.register(cluster_app)  # `cluster join`, `cluster doctor`
 
 @cluster_app.command("up")
 def up(
-    topology: Optional[str] = TOPOLOGY_OPT,
-    accelerator: Optional[str] = ACCEL_OPT,
-    chips_per_host: Optional[int] = CHIPS_PER_HOST_OPT,
-    num_slices: Optional[int] = NUM_SLICES_OPT,
+    topology: Optional[str] = opt.TOPOLOGY,
+    accelerator: Optional[str] = opt.ACCELERATOR,
+    chips_per_host: Optional[int] = opt.CHIPS_PER_HOST,
+    num_slices: Optional[int] = opt.NUM_SLICES,
     name: str = typer.Option("emulated", "--name", help="Slice name the emulated hosts carry (ray.io/tpu-slice-name)."),
     dashboard: bool = typer.Option(False, "--dashboard", help="Also start Ray's dashboard (bound to 127.0.0.1)."),
     prewarm: str = typer.Option("torch_xla", "--prewarm",
                                 help="Leave a spare process with this framework imported on every host: torch_xla, jax, none."),
     tpu: Optional[str] = typer.Option(None, "--tpu", help="A real TPU VM slice (node name): bring Ray up on its workers over gcloud ssh."),
-    zone: Optional[str] = ZONE_OPT,
-    project: Optional[str] = PROJECT_OPT,
+    zone: Optional[str] = opt.ZONE,
+    project: Optional[str] = opt.PROJECT,
     port: int = typer.Option(remote.RAY_PORT_DEFAULT, "--port", help="--tpu: the Ray head's GCS port on worker 0."),
     remote_python: str = typer.Option(remote.REMOTE_PYTHON_DEFAULT, "--remote-python",
                                       help="--tpu: the Python on the TPU VMs that has Ray installed."),
     ray_temp_dir: Optional[str] = typer.Option(None, "--ray-temp-dir",
                                                help="--tpu: Ray's temp dir on the VMs (default /tmp/tpl-<hash>)."),
-    json_out: bool = JSON_OPT,
+    json_out: bool = opt.JSON,
 ) -> None:
     """Start a Ray cluster and leave it running: emulated on this machine, or on a real slice (--tpu).
 
@@ -56,8 +54,8 @@ def up(
         remote.up_remote(out, tpu, zone, project, port=port, python=remote_python, temp_dir=ray_temp_dir,
                          dashboard=dashboard, topology=topology, accelerator=accelerator, json_out=json_out)
         return
-    if prewarm not in ("none", *frameworks.names()):
-        raise LaunchError(f"--prewarm {prewarm} is not a framework", f"choose one of {', '.join(frameworks.names())}, none")
+    if prewarm not in frameworks.names():
+        raise LaunchError(f"--prewarm {prewarm} is not a framework", f"choose one of {', '.join(frameworks.names())}")
     rec = load_record()
     if rec is not None and rec.remote:
         raise ClusterError(f"a cluster on TPU '{rec.remote['tpu']}' is recorded as up",
@@ -119,7 +117,7 @@ def _status_doc(info: ClusterInfo) -> dict:
 @cluster_app.command("status")
 def status(
     address: Optional[str] = typer.Option("auto", "--address", help="auto (the cluster `cluster up` started), HOST:PORT."),
-    json_out: bool = JSON_OPT,
+    json_out: bool = opt.JSON,
 ) -> None:
     """Each slice the cluster knows, its hosts, which are alive and which are busy with a run."""
     out = Output(json_mode=json_out)
@@ -148,7 +146,7 @@ def status(
 @cluster_app.command("env")
 def env(
     address: Optional[str] = typer.Option("auto", "--address", help="auto (the cluster `cluster up` started), HOST:PORT."),
-    json_out: bool = JSON_OPT,
+    json_out: bool = opt.JSON,
 ) -> None:
     """Shell exports a Ray driver needs for this cluster: `eval "$(tpulaunch cluster env)"`.
 
@@ -169,7 +167,7 @@ def env(
 
 
 @cluster_app.command("down")
-def down(json_out: bool = JSON_OPT) -> None:
+def down(json_out: bool = opt.JSON) -> None:
     """Stop the cluster `tpulaunch cluster up` started (only its processes)."""
     out = Output(json_mode=json_out)
     rec = load_record()

@@ -1,6 +1,6 @@
 """`tpulaunch cluster up --tpu`, `cluster join`, `cluster doctor`, and `down`/`status` of real slices.
 
-Thin: `tpulaunch.ray_remote` does the work over gcloud ssh, `tpulaunch.tpu_holders` looks at the
+Thin: `tpulaunch.cluster.remote` does the work over gcloud ssh, `tpulaunch.host.tpu_holders` looks at the
 TPU devices; this module parses and renders (a live per-host status on a terminal, one plain
 line per host state change in a pipe, `--json`).
 """
@@ -17,6 +17,7 @@ import typer
 
 from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, save_record
 from tpulaunch.host import tpu_holders
+from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
 from tpulaunch.errors import ClusterError, DiscoveryError, ExitCode
 
@@ -124,7 +125,7 @@ def register(cluster_app: typer.Typer) -> None:
         token_stdin: bool = typer.Option(False, "--token-stdin",
                                          help="Read the token from stdin and store it owner-only in --token-file."),
         ray_temp_dir: Optional[str] = typer.Option(None, "--ray-temp-dir", help="Ray's temp dir (default /tmp/tpl-<hash>)."),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+        json_out: bool = opt.JSON,
     ) -> None:
         """On a TPU VM: start the Ray head (worker 0) or join it (other workers), from the metadata server.
 
@@ -166,7 +167,7 @@ def register(cluster_app: typer.Typer) -> None:
         kill_stale: bool = typer.Option(False, "--kill-stale",
                                         help="End the processes holding the TPU and remove a stale libtpu lockfile."),
         root: Path = typer.Option(Path("/"), "--root", hidden=True, help="Look for dev/ and tmp/ under ROOT (tests)."),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+        json_out: bool = opt.JSON,
     ) -> None:
         """Is this host's TPU free? Lists processes holding /dev/accel* or /dev/vfio/*, and a stale lockfile."""
         out = Output(json_mode=json_out)

@@ -9,42 +9,33 @@ import typer
 from tpulaunch.plan import mesh as mesh_mod
 from tpulaunch import discover
 from tpulaunch.cli import app, render
-from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT, split_spec
+from tpulaunch.cli import options as opt
+from tpulaunch.cli.cmd_topology import split_spec
 from tpulaunch.cli.output import Output
-from tpulaunch.cli.slices import SLICE_OPTIONS, resolve_slices
 from tpulaunch.errors import MeshError
 
 mesh_app = typer.Typer(help="Plan and inspect device meshes.", no_args_is_help=True)
 app.add_typer(mesh_app, name="mesh")
 
-MESH_OPT = typer.Option(
-    None, "--mesh", "-m",
-    help="Per-slice mesh NAME=SIZE,... (one size may be -1). Default: data over one host;"
-         " data=hosts,model=devices_per_host over several.",
-)
-DCN_OPT = typer.Option(
-    None, "--dcn", help="Slices per axis across the data-centre network, e.g. data=2 (multislice).",
-)
-NUM_SLICES_OPT = typer.Option(None, "--num-slices", help="Number of identical slices (multislice).")
 
 
 @mesh_app.command("inspect")
 def inspect(
     slice_spec: Optional[str] = typer.Argument(None, metavar="[ACCELERATOR_OR_SHAPE]", help="v4-32, tpu7x-18432, or 2x8."),
-    topology: Optional[str] = TOPOLOGY_OPT,
-    accelerator: Optional[str] = ACCEL_OPT,
-    chips_per_host: Optional[int] = CHIPS_PER_HOST_OPT,
-    mesh: Optional[str] = MESH_OPT,
-    dcn: Optional[str] = DCN_OPT,
-    num_slices: Optional[int] = NUM_SLICES_OPT,
-    tpu: Optional[str] = SLICE_OPTIONS["tpu"],
-    zone: Optional[str] = SLICE_OPTIONS["zone"],
-    project: Optional[str] = SLICE_OPTIONS["project"],
+    topology: Optional[str] = opt.TOPOLOGY,
+    accelerator: Optional[str] = opt.ACCELERATOR,
+    chips_per_host: Optional[int] = opt.CHIPS_PER_HOST,
+    mesh: Optional[str] = opt.MESH,
+    dcn: Optional[str] = opt.DCN,
+    num_slices: Optional[int] = opt.NUM_SLICES,
+    tpu: Optional[str] = opt.TPU,
+    zone: Optional[str] = opt.ZONE,
+    project: Optional[str] = opt.PROJECT,
     shard: Optional[str] = typer.Option(None, "--shard", help="A tensor shape to split, e.g. 1024x4096."),
     spec: Optional[str] = typer.Option(
         None, "--spec", help="Partition spec for --shard: one mesh axis per dim, None to replicate, a+b for several."
     ),
-    json_out: bool = JSON_OPT,
+    json_out: bool = opt.JSON,
 ) -> None:
     """Draw the mesh as a grid of device ids colored by host, then the hosts.
 
@@ -53,10 +44,13 @@ def inspect(
     """
     out = Output(json_mode=json_out)
     topology, accelerator = split_spec(slice_spec, topology, accelerator)
-    resolved = resolve_slices(out, discover.SliceRequest(
-        topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
-        tpu=tpu, zone=zone, project=project, num_slices=num_slices, dcn=dcn,
-    ))
+    req = discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
+                                tpu=tpu, zone=zone, project=project, num_slices=num_slices, dcn=dcn)
+    if tpu:
+        with out.status("asking the Cloud TPU API ..."):
+            resolved = discover.resolve(req)
+    else:
+        resolved = discover.resolve(req)
     plan = mesh_mod.plan_mesh(resolved.topology, mesh, dcn, resolved.num_slices)
     sharding = None
     if shard or spec:

@@ -7,30 +7,13 @@ from typing import List, Optional
 import typer
 from rich.text import Text
 
-from tpulaunch import run
+from tpulaunch import discover, run
 from tpulaunch.cli import app, debug_enabled
-from tpulaunch.cli.cmd_mesh import DCN_OPT, MESH_OPT, NUM_SLICES_OPT
-from tpulaunch.cli.cmd_topology import ACCEL_OPT, CHIPS_PER_HOST_OPT, JSON_OPT, TOPOLOGY_OPT
+from tpulaunch.cli import options as opt
 from tpulaunch.cli.noise import NoiseFold
 from tpulaunch.cli.output import Output, host_color
-from tpulaunch.cli.slices import SLICE_OPTIONS
 from tpulaunch.errors import LaunchError
-from tpulaunch.run import RunSummary
-
-
-FAULT_OPTIONS = {
-    "timeout": typer.Option(None, "--timeout", metavar="SECONDS",
-                            help="Wall clock for the whole run; then every host's stacks are dumped and it ends (exit 124)."),
-    "stall_timeout": typer.Option(None, "--stall-timeout", metavar="SECONDS",
-                                  help="No output (or tpulaunch.heartbeat()) from any host for this long: dump stacks, exit 124."),
-    "max_restarts": typer.Option(0, "--max-restarts", help="Relaunch the whole slice this many times after a host fails."),
-    "max_preemptions": typer.Option(0, "--max-preemptions",
-                                    help="Relaunch this many times after a host is lost or preempted."),
-    "preemption_wait": typer.Option(600.0, "--preemption-wait", metavar="SECONDS",
-                                    help="How long to wait for the slice to be whole again after a lost host."),
-    "preemption_grace": typer.Option(30.0, "--preemption-grace", metavar="SECONDS",
-                                     help="A preempted script's time between SIGTERM and SIGKILL (to save a checkpoint)."),
-}
+from tpulaunch.run import Outcome, RunSummary
 
 
 class TerminalSink:
@@ -76,23 +59,23 @@ def report(out: Output, summary: RunSummary, sink: TerminalSink | None = None) -
         out.json(summary.to_dict())
         return
     for a in summary.attempts[:-1]:
-        f = a["first_failure"] or {}
-        out.info(f"attempt {a['index']}: {a['outcome']}: host {f.get('process_index')} {f.get('reason')};"
-                 f" logs in {a['log_dir']}")
+        f = a.first_failure
+        who = f"host {f.process_index} {f.reason}" if f else "no host failed"
+        out.info(f"attempt {a.index}: {a.outcome}: {who}; logs in {a.log_dir}")
     for h in summary.hosts:
         note = " (stopped by tpulaunch)" if h.stopped_by_tpulaunch and not h.lost else ""
         out.info(f"host {h.process_index} (slice {h.slice_index} worker {h.worker_id}): {h.reason or 'did not start'}"
                  f" in {h.wall_s:.1f} s{note}")
     where = f"logs in {summary.log_dir}"
-    if summary.outcome == "interrupted":
+    f = summary.first_failure
+    if summary.outcome is Outcome.INTERRUPTED:
         out.error(f"run {summary.run_id} interrupted ({summary.interrupted}); {where}")
-    elif summary.outcome in ("timeout", "stalled"):
+    elif summary.outcome in (Outcome.TIMEOUT, Outcome.STALLED):
         out.error(f"{summary.note}; exit {summary.exit_code}")
-    elif summary.first_failure:
-        f = summary.first_failure
+    elif f is not None:
         tail = f"; {summary.note}" if summary.note else ""
-        out.error(f"host {f['process_index']} (slice {f['slice_index']} worker {f['worker_id']}) {f['reason']}"
-                  f"; its log: {f['log']}{tail}; exit {summary.exit_code}")
+        out.error(f"host {f.process_index} (slice {f.slice_index} worker {f.worker_id}) {f.reason}"
+                  f"; its log: {f.log}{tail}; exit {summary.exit_code}")
     elif not summary.attempts:
         out.error(f"run {summary.run_id} ended before any host started; {where}")
     else:
@@ -108,7 +91,7 @@ def print_plan(out: Output, prep: run.Prepared) -> None:
     from tpulaunch.cli import render
 
     kind = "EMULATED on this machine" if plan.emulated else "TPU"
-    out.line(f"run {plan.run_id}: {plan.script or ' '.join(plan.command)} on {len(plan.hosts)} host(s), {kind}")
+    out.line(f"run {plan.run_id}: {plan.job.script or ' '.join(plan.job.command)} on {len(plan.hosts)} host(s), {kind}")
     out.line(f"framework: {plan.framework} ({prep.framework_reason})")
     out.line(f"coordinator: {plan.coordinator_address}")
     for line in render.mesh_lines(plan.mesh):
@@ -125,37 +108,35 @@ def run_cmd(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="Python script to run on every host (inside the working directory)."),
     script_args: Optional[List[str]] = typer.Argument(None, help="Arguments for the script (put them after --)."),
-    topology: Optional[str] = TOPOLOGY_OPT,
-    accelerator: Optional[str] = ACCEL_OPT,
-    chips_per_host: Optional[int] = CHIPS_PER_HOST_OPT,
-    tpu: Optional[str] = SLICE_OPTIONS["tpu"],
-    queued_resource: Optional[str] = SLICE_OPTIONS["queued_resource"],
-    zone: Optional[str] = SLICE_OPTIONS["zone"],
-    project: Optional[str] = SLICE_OPTIONS["project"],
-    force: bool = SLICE_OPTIONS["force"],
-    num_slices: Optional[int] = NUM_SLICES_OPT,
-    mesh: Optional[str] = MESH_OPT,
-    dcn: Optional[str] = DCN_OPT,
-    framework: str = typer.Option("auto", "--framework", "-f", help="torch_xla, jax, or auto (from the script's imports)."),
-    env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="Extra KEY=VALUE for every host (repeatable)."),
+    topology: Optional[str] = opt.TOPOLOGY,
+    accelerator: Optional[str] = opt.ACCELERATOR,
+    chips_per_host: Optional[int] = opt.CHIPS_PER_HOST,
+    tpu: Optional[str] = opt.TPU,
+    queued_resource: Optional[str] = opt.QUEUED_RESOURCE,
+    zone: Optional[str] = opt.ZONE,
+    project: Optional[str] = opt.PROJECT,
+    force: bool = opt.FORCE,
+    num_slices: Optional[int] = opt.NUM_SLICES,
+    mesh: Optional[str] = opt.MESH,
+    dcn: Optional[str] = opt.DCN,
+    framework: str = typer.Option("auto", "--framework", "-f", help="torch_xla, jax, none (boot no framework), or auto (from the script's imports)."),
+    env: Optional[List[str]] = opt.ENV,
     address: Optional[str] = typer.Option(
         None, "--address", help="Join a Ray cluster: auto, HOST:PORT or ray://... (default: RAY_ADDRESS, else emulate)."
     ),
     no_dist: bool = typer.Option(False, "--no-dist", help="Do not start the torch.distributed (gloo) process group."),
-    hosts: Optional[str] = typer.Option(None, "--hosts", help="Hosts whose output reaches the terminal: all (default), 0, 0,2."),
+    hosts: Optional[str] = opt.HOSTS,
     log_dir: str = typer.Option("runs", "--log-dir", help="Where <run-id>/attempt-<k>/host-<i>.log, ray.log and summary.json go."),
     workdir: str = typer.Option(".", "--workdir", help="Directory shipped to every host; the script runs there."),
     schedule_timeout: float = typer.Option(120.0, "--schedule-timeout", help="Seconds to wait for Ray to give us the whole slice."),
     max_upload_mb: float = typer.Option(100.0, "--max-upload-mb", help="Refuse to ship a working directory larger than this."),
-    kill_stale: bool = typer.Option(
-        False, "--kill-stale", help="On TPU hosts, kill leftover processes holding the chips (and a stale libtpu lockfile)."
-    ),
-    timeout: Optional[float] = FAULT_OPTIONS["timeout"],
-    stall_timeout: Optional[float] = FAULT_OPTIONS["stall_timeout"],
-    max_restarts: int = FAULT_OPTIONS["max_restarts"],
-    max_preemptions: int = FAULT_OPTIONS["max_preemptions"],
-    preemption_wait: float = FAULT_OPTIONS["preemption_wait"],
-    preemption_grace: float = FAULT_OPTIONS["preemption_grace"],
+    kill_stale: bool = opt.KILL_STALE,
+    timeout: Optional[float] = opt.TIMEOUT,
+    stall_timeout: Optional[float] = opt.STALL_TIMEOUT,
+    max_restarts: int = opt.MAX_RESTARTS,
+    max_preemptions: int = opt.MAX_PREEMPTIONS,
+    preemption_wait: float = opt.PREEMPTION_WAIT,
+    preemption_grace: float = opt.PREEMPTION_GRACE,
     compile_cache: Optional[str] = typer.Option(
         None, "--compile-cache", metavar="DIR",
         help="Persistent XLA compilation cache on every host (JAX default: ~/.cache/tpulaunch/xla-cache/jax/<slice>;"
@@ -165,8 +146,8 @@ def run_cmd(
                                       help="Leave the emulated cluster this run starts up; the next runs use it (warm)."),
     idle_timeout: float = typer.Option(1800.0, "--idle-timeout", metavar="SECONDS",
                                        help="With --keep-cluster: stop the cluster after this long unused."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, env, mesh) and start nothing."),
-    json_out: bool = JSON_OPT,
+    dry_run: bool = opt.DRY_RUN,
+    json_out: bool = opt.JSON,
 ) -> None:
     """Run SCRIPT under SPMD on every host of a slice; emulate the slice here when no TPU is in sight.
 
@@ -176,14 +157,16 @@ def run_cmd(
     """
     out = Output(json_mode=json_out)
     req = run.LaunchRequest(
-        script=script, args=list(script_args or []) + list(ctx.args), topology=topology, accelerator=accelerator,
-        chips_per_host=chips_per_host, tpu=tpu, queued_resource=queued_resource, zone=zone, project=project,
-        force=force, num_slices=num_slices, mesh=mesh, dcn=dcn, framework=framework, env=list(env or []),
-        kill_stale=kill_stale, address=address, distributed=not no_dist, log_dir=log_dir, workdir=workdir,
-        schedule_timeout=schedule_timeout, max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout,
-        max_restarts=max_restarts, max_preemptions=max_preemptions, preemption_wait=preemption_wait,
-        preemption_grace=preemption_grace, keep_cluster=keep_cluster, idle_timeout=idle_timeout,
-        compile_cache=compile_cache, no_compile_cache=no_compile_cache,
+        script=script, args=(*(script_args or []), *ctx.args),
+        slices=discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host, tpu=tpu,
+                                     queued_resource=queued_resource, zone=zone, project=project, num_slices=num_slices,
+                                     dcn=dcn, force=force),
+        mesh=mesh, framework=framework, env=tuple(env or ()), kill_stale=kill_stale, address=address,
+        distributed=not no_dist, log_dir=log_dir, workdir=workdir, schedule_timeout=schedule_timeout,
+        max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout, max_restarts=max_restarts,
+        max_preemptions=max_preemptions, preemption_wait=preemption_wait, preemption_grace=preemption_grace,
+        keep_cluster=keep_cluster, idle_timeout=idle_timeout, compile_cache=compile_cache,
+        no_compile_cache=no_compile_cache,
     )
     raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run))
 
@@ -191,10 +174,17 @@ def run_cmd(
 def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_run: bool) -> int:
     """Shared by `run` and `exec`: plan, maybe print, launch, report. Returns the exit code."""
     show = parse_hosts(hosts)
-    prep = run.prepare(req)
+    target = run.find_cluster(req)
+    conn = run.Connection(target, run.shipped_workdir(req))
+    try:
+        prep = run.prepare(req, target, conn.cluster_slices(req), conn.runtime_env)
+    except BaseException:
+        conn.close()
+        raise
     for note in (*prep.resolved.topology.notes, *prep.notes):
         out.info(f"note: {note}")
     if dry_run:
+        conn.close()
         print_plan(out, prep)
         return 0
     plan = prep.plan
@@ -206,6 +196,6 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     if not req.command:
         out.info(f"framework: {plan.framework} ({prep.framework_reason})")
     sink = TerminalSink(out, show)
-    summary = run.launch(prep, sink, quiet_ray=True, debug=debug_enabled())
+    summary = run.launch(prep, sink, conn, quiet_ray=True, debug=debug_enabled())
     report(out, summary, sink)
     return summary.exit_code

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from tpulaunch import discover
 from tpulaunch.cli import app
+from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
 from tpulaunch.errors import TpulaunchError
 from tpulaunch.plan.slicespec import SliceSpec
@@ -27,11 +28,6 @@ slice_app = typer.Typer(
 )
 app.add_typer(slice_app, name="slice")
 
-ZONE_OPT = typer.Option(None, "--zone", help="Zone (default: CLOUDSDK_COMPUTE_ZONE, then gcloud config compute/zone).")
-PROJECT_OPT = typer.Option(
-    None, "--project", help="Project (default: GOOGLE_CLOUD_PROJECT / CLOUDSDK_CORE_PROJECT, then gcloud config)."
-)
-JSON_OPT = typer.Option(False, "--json", help="Print one JSON document on stdout.")
 TIMEOUT_OPT = typer.Option(
     None, "--timeout", metavar="S",
     help="Seconds to wait for the Cloud TPU API (default 10, TPULAUNCH_API_TIMEOUT) or for each metadata request (default 2).",
@@ -47,12 +43,12 @@ def describe_cmd(
         None, metavar="[NAME]",
         help="TPU node name (or projects/P/locations/Z/nodes/N). Omit on a TPU VM: describe the slice it is part of.",
     ),
-    zone: Optional[str] = ZONE_OPT,
-    project: Optional[str] = PROJECT_OPT,
+    zone: Optional[str] = opt.ZONE,
+    project: Optional[str] = opt.PROJECT,
     queued_resource: Optional[str] = typer.Option(
         None, "--queued-resource", metavar="QR", help="Describe every slice (node) of this queued resource."
     ),
-    json_out: bool = JSON_OPT,
+    json_out: bool = opt.JSON,
     timeout: Optional[float] = TIMEOUT_OPT,
     force: bool = typer.Option(False, "--force", help="Exit 0 even if the slice is not READY/HEALTHY (warn instead of exit 4)."),
 ) -> None:
@@ -270,9 +266,9 @@ def _mesh_rich(mesh: dict | None) -> list[Any]:
 
 @slice_app.command("list")
 def list_cmd(
-    zone: Optional[str] = ZONE_OPT,
-    project: Optional[str] = PROJECT_OPT,
-    json_out: bool = JSON_OPT,
+    zone: Optional[str] = opt.ZONE,
+    project: Optional[str] = opt.PROJECT,
+    json_out: bool = opt.JSON,
     timeout: Optional[float] = TIMEOUT_OPT,
 ) -> None:
     """List the TPU nodes of a zone (`--zone -` for every zone): type, topology, state, health."""

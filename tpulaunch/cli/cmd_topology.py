@@ -11,17 +11,9 @@ from tpulaunch.plan import topology as topo_mod
 from tpulaunch.plan.catalog import SHAPE_RE
 from tpulaunch.cli import app
 from tpulaunch.cli import render
+from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
 
-TOPOLOGY_OPT = typer.Option(None, "--topology", "-t", help="Slice shape: 2x8 (2D) or 2x2x4 (3D).")
-ACCEL_OPT = typer.Option(
-    None, "--accelerator", "-a",
-    help="Generation (v2 v3 v4 v5e v5p v6e v7x) or accelerator type (v4-32). A 2D shape alone means v6e.",
-)
-CHIPS_PER_HOST_OPT = typer.Option(
-    None, "--chips-per-host", help="Override chips per VM (4 for a two-VM v5e/v6e 2x4, as on GKE)."
-)
-JSON_OPT = typer.Option(False, "--json", help="Print one JSON document on stdout.")
 
 
 def split_spec(spec: str | None, topology: str | None, accelerator: str | None) -> tuple[str | None, str | None]:
@@ -39,10 +31,10 @@ def split_spec(spec: str | None, topology: str | None, accelerator: str | None) 
 @app.command("topology")
 def topology_cmd(
     spec: Optional[str] = typer.Argument(None, metavar="ACCELERATOR_OR_SHAPE", help="v4-32, v6e-8, tpu7x-16, or 2x8."),
-    topology: Optional[str] = TOPOLOGY_OPT,
-    accelerator: Optional[str] = ACCEL_OPT,
-    chips_per_host: Optional[int] = CHIPS_PER_HOST_OPT,
-    json_out: bool = JSON_OPT,
+    topology: Optional[str] = opt.TOPOLOGY,
+    accelerator: Optional[str] = opt.ACCELERATOR,
+    chips_per_host: Optional[int] = opt.CHIPS_PER_HOST,
+    json_out: bool = opt.JSON,
 ) -> None:
     """Show a slice's chips, hosts, bounds and chip coordinates.
 

@@ -203,5 +203,5 @@ def env_lines(plan: LaunchPlan) -> list[str]:
     out = []
     for h in plan.hosts:
         out.append(f"host {h.process_index} (slice {h.slice_index} worker {h.worker_id}, {h.ip}):")
-        out.extend(f"  {k}={v}" for k, v in sorted(h.env.items()))
+        out.extend(f"  {k}={v}" for k, v in sorted(plan.env(h.process_index).items()))
     return out

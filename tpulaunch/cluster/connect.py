@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from tpulaunch import settings
 from tpulaunch.cluster.processes import cluster_pids
 from tpulaunch.cluster.record import ClusterInfo, load_record
 from tpulaunch.errors import ClusterError
@@ -71,14 +72,7 @@ _ABANDONED: list[threading.Thread] = []  # ray.init calls that did not finish in
 
 
 def connect_timeout() -> float:
-    raw = os.environ.get(CONNECT_TIMEOUT_ENV, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_CONNECT_TIMEOUT
-    except ValueError:
-        raise ClusterError(f"{CONNECT_TIMEOUT_ENV}='{raw}' is not a number of seconds", "set it to e.g. 15") from None
-    if not value > 0:
-        raise ClusterError(f"{CONNECT_TIMEOUT_ENV}={raw} is not positive", "set it to e.g. 15")
-    return value
+    return settings.seconds(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT)
 
 
 def probe(address: str, timeout: float) -> None:

@@ -56,7 +56,7 @@ def in_use(temp_dir: str | None) -> Iterator[None]:
 
 def runs_under_way(temp_dir: str) -> list[int]:
     """Pids of the launchers using the cluster now (a mark whose launcher died does not count)."""
-    from tpulaunch.cluster.processes import alive
+    from tpulaunch.procfs import alive
 
     live = []
     for mark in Path(temp_dir, "tpulaunch-runs").glob("*"):

@@ -9,6 +9,7 @@ Google`, short timeouts. We never probe it from a machine that is clearly not a 
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 import socket
@@ -17,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from tpulaunch.plan import topology as topo_mod
+from tpulaunch import settings
 from tpulaunch.errors import MetadataError, TopologyError, TpulaunchError
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 
@@ -44,12 +46,8 @@ def metadata_host() -> tuple[str, str]:
 def metadata_timeout(timeout: float | None = None) -> float:
     """Per-request timeout: argument, then `TPULAUNCH_METADATA_TIMEOUT`, then 2 s."""
     if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV, "").strip()
-        try:
-            timeout = float(raw) if raw else DEFAULT_TIMEOUT
-        except ValueError:
-            raise TpulaunchError(f"{TIMEOUT_ENV}='{raw}' is not a number of seconds", "set it to e.g. 2") from None
-    if not timeout > 0:
+        return settings.seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+    if not math.isfinite(timeout) or timeout <= 0:
         raise TpulaunchError(f"metadata timeout must be a positive number of seconds, not {timeout:g}")
     return float(timeout)
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
 from tpulaunch.plan import topology as topo_mod
+from tpulaunch import settings
 from tpulaunch.errors import (
     ApiPermissionError,
     ApiUnreachableError,
@@ -55,15 +56,7 @@ T = TypeVar("T")
 def api_timeout(timeout: float | None = None) -> float:
     """The per-operation time budget: argument, then `TPULAUNCH_API_TIMEOUT`, then 10 s."""
     if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV, "").strip()
-        if not raw:
-            return DEFAULT_TIMEOUT
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise TpulaunchError(
-                f"{TIMEOUT_ENV}='{raw}' is not a number of seconds", f"set it to e.g. {DEFAULT_TIMEOUT:g}"
-            ) from None
+        return settings.seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT)
     if not math.isfinite(timeout) or timeout <= 0:
         raise TpulaunchError(f"API timeout must be a positive number of seconds, not {timeout:g}")
     return float(timeout)

@@ -9,7 +9,7 @@ the agent dies, its node lost, the child dies too) and `PR_SET_PTRACER` (so py-s
 
 Warm hosts: after a run on a cluster that stays up, the agent starts a *spare*: a bootstrap with
 Python started and the framework imported, runtime untouched, waiting on stdin for its state.
-The next run with the same environment (all but the per-run variables) takes it, skipping the
+The next run with the same environment (all but what `plan.env.split_env` calls per-run) takes it, skipping the
 interpreter start and the framework import; any other run gets a fresh process.
 
 The driver long-polls `poll()`: it returns as soon as there are new output lines or the process
@@ -39,20 +39,18 @@ import tempfile
 import threading
 import time
 
+from tpulaunch import procfs
 from tpulaunch.errors import ExitCode
 from tpulaunch.host.context import HEARTBEAT_ENV
-from tpulaunch.plan.launch import run_marker
+from tpulaunch.host.protocol import AgentInfo, HostOptions, PollReply, Started
+from tpulaunch.plan.env import split_env
+from tpulaunch.plan.launch import HostState, run_marker
 
 # Variables Ray sets for sub-host TPU allocations; the plan decides these, not the actor's parent.
 # And what Ray gives its worker processes (this agent is one) that describe that worker, not the host.
 NICENESS_ENV = "RAY_worker_niceness"
 _DROP = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "RAY_ADDRESS",
          "RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE", "RAY_LD_PRELOAD_ON_WORKERS", NICENESS_ENV)
-# Variables that change from run to run; everything else must match for a spare to be taken.
-PER_RUN_ENV = ("TPULAUNCH_RUN_ID", "TPULAUNCH_RESTART_COUNT", "TPULAUNCH_COORDINATOR_ADDRESS", "TPULAUNCH_GROUP_ADDRESS",
-               "MASTER_PORT",
-               "JAX_COORDINATOR_ADDRESS", "TPULAUNCH_EMULATION_PORT", HEARTBEAT_ENV, "TPULAUNCH_STATE",
-               "TPULAUNCH_TIMINGS_FILE")
 _PR_SET_PDEATHSIG = 1
 _PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, -1
 EXIT_TPU_BUSY = ExitCode.TPU_BUSY  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
@@ -97,9 +95,12 @@ def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def import_env(env: dict[str, str]) -> dict[str, str]:
-    """What a host process's environment is, apart from what changes from run to run."""
-    return {k: v for k, v in env.items() if k not in PER_RUN_ENV and k != PY_STDIO_ENV}
+def spare_env(state: HostState) -> dict[str, str]:
+    """The environment of a spare that can take `state`'s run: the node's, and what stays from
+    run to run in the plan's (`split_env`); what each run sets is handed over with the run."""
+    env = host_env()
+    env.update(split_env(state)[0])
+    return env
 
 
 def host_env() -> dict[str, str]:
@@ -119,11 +120,9 @@ def host_env() -> dict[str, str]:
 def _raylet_env() -> dict[str, str] | None:
     """The raylet's environment (what `ray start` on this node was given); None if unreadable."""
     try:
-        with open(f"/proc/{int(os.environ['RAY_RAYLET_PID'])}/environ", "rb") as f:
-            raw = f.read()
-    except (KeyError, ValueError, OSError):
+        return procfs.Process(int(os.environ["RAY_RAYLET_PID"])).env()
+    except (KeyError, ValueError):
         return None
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
 
 
 class HostProcess:
@@ -199,21 +198,27 @@ class HostProcess:
     def terminate(self, grace_s: float = 3.0) -> int | None:
         """Stop the process group: SIGTERM, then SIGKILL after `grace_s`."""
         p = self.proc
-        if p.poll() is not None:
-            return exit_code_of(p.returncode)
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        if p.poll() is None:
+            procfs.stop(lambda: _group_members(p.pid), grace_s, kill_wait_s=5.0)
             try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                p.wait(timeout=wait)
-                break
+                p.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
-                continue
+                pass
         for t in self.readers:
             t.join(timeout=2.0)
         return exit_code_of(p.returncode) if p.returncode is not None else None
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (the host process and what it started in its group)."""
+    out = []
+    for proc in procfs.processes():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                out.append(proc.pid)
+        except OSError:
+            continue
+    return out
 
 
 class HostAgent:
@@ -239,85 +244,79 @@ class HostAgent:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         threading.Thread(target=self._watch_driver, name="tpulaunch-driver-watch", daemon=True).start()
 
-    def info(self) -> dict:
+    def info(self) -> AgentInfo:
         """Where this agent lives: node labels decide its process index, not scheduling order."""
         import ray
 
         rc = ray.get_runtime_context()
         labels = rc.get_node_labels() if hasattr(rc, "get_node_labels") else {}
-        return {
-            "node_id": rc.get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "hostname": socket.gethostname(),
-            "labels": {k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(labels).items()},
-            "pid": os.getpid(),
-            "spares": sorted(self._spares),
-        }
+        return AgentInfo(
+            node_id=rc.get_node_id(), node_ip=ray.util.get_node_ip_address(), hostname=socket.gethostname(),
+            labels={k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(labels).items()},
+            pid=os.getpid(), spares=tuple(sorted(self._spares)),
+        )
 
     # -- a run ----------------------------------------------------------------------------------
 
-    def start(self, state: bytes, env: dict[str, str], *, run_id: str, command: list[str] | None = None,
-              framework: str | None = None, check_tpu: bool = False, kill_stale: bool = False,
-              cwd: str | None = None, watch_preemption: bool = False, grace_s: float = 30.0) -> dict:
-        """Start this host's process for run `run_id`; `state` is its pickled HostState.
+    def start(self, state: HostState, options: HostOptions) -> Started:
+        """Start the host process `state` describes (a script, or `exec`'s command).
 
-        With `check_tpu` (real TPU hosts), first make sure no leftover process holds the chips
-        (the failure users hit most after an interrupted run); `kill_stale` clears them. `cwd` is
-        where the script runs: the driver's working directory on emulated hosts (same filesystem),
-        else the copy Ray shipped (this actor's own working directory). `watch_preemption` asks the
-        metadata server for preemption notices; `grace_s` is how long a preempted script has.
-        Returns {"pid", "prewarmed", "why"}: whether a spare took the run, or why not.
+        With `options.check_tpu` (real TPU hosts), first make sure no leftover process holds the
+        chips (the failure users hit most after an interrupted run); `kill_stale` clears them.
+        A spare process with the same environment takes the run if there is one.
         """
         with self._lock:
             self._end_leftover()
-            self._run_id, self._grace_s, self._preempted, self._refused = run_id, grace_s, None, None
+            run_id = state.run_id
+            self._run_id, self._grace_s, self._preempted, self._refused = run_id, options.preemption_grace_s, None, None
             self._last_poll = time.time()
-            if check_tpu and not self._tpu_free(kill_stale):
+            if options.check_tpu and not self._tpu_free(options.kill_stale):
                 self._refused = EXIT_TPU_BUSY
-                return {"pid": -1, "prewarmed": False, "why": "the TPU is busy"}
+                return Started(-1, False, "the TPU is busy")
             fd, path = tempfile.mkstemp(prefix="tpulaunch-host-", suffix=".pkl")
             with os.fdopen(fd, "wb") as f:
-                f.write(state)
+                f.write(dumps_state(state))
             # Named for the run: every host process keeps it open, so /proc shows whose it is even
             # for a spare, whose environment (/proc/<pid>/environ) predates its run.
-            fd, self._heartbeat = tempfile.mkstemp(prefix=f"{run_marker(run_id)}host{env.get('TPULAUNCH_PROCESS_INDEX', '')}-")
+            fd, self._heartbeat = tempfile.mkstemp(prefix=f"{run_marker(run_id)}host{state.process_index}-")
             os.close(fd)
             fd, self._timings = tempfile.mkstemp(prefix="tpulaunch-timings-")
             os.close(fd)
             self._files = [path, self._heartbeat, self._timings]
-            run_env = host_env()
-            run_env.update(env)
-            run_env.update({"TPULAUNCH_STATE": path, HEARTBEAT_ENV: self._heartbeat, TIMINGS_ENV: self._timings})
-            cwd = cwd or os.getcwd()
-            spare, why = (None, "a command, not a script") if command else self._take_spare(framework, run_env)
+            static, per_run = split_env(state)
+            per_run.update({"TPULAUNCH_STATE": path, HEARTBEAT_ENV: self._heartbeat, TIMINGS_ENV: self._timings})
+            cwd = options.cwd or os.getcwd()
+            command = list(state.job.command)
+            spare, why = (None, "a command, not a script") if command else self._take_spare(state)
             try:
                 if spare is not None:
-                    spare.hand_state({"state": path, "env": {k: run_env[k] for k in PER_RUN_ENV if k in run_env},
-                                      "cwd": cwd})
+                    spare.hand_state({"state": path, "env": per_run, "cwd": cwd})
                     self._host = spare
                 else:
                     argv = command or [sys.executable, "-m", "tpulaunch.host.bootstrap", path]
-                    self._host = HostProcess(argv, run_env, cwd)
+                    self._host = HostProcess(argv, {**host_env(), **static, **per_run}, cwd)
             except OSError as e:
                 self._host = None
                 self._refused = 127
+                self._notes.append(f"tpulaunch: cannot start {' '.join(command) or 'the bootstrap'}: {e.strerror or e}")
                 self._cleanup_files()
-                return {"pid": -1, "prewarmed": False, "why": f"cannot start {command or 'the bootstrap'}: {e}"}
-            if watch_preemption:
+                return Started(-1, False, f"cannot start {' '.join(command) or 'the bootstrap'}: {e.strerror or e}")
+            if options.watch_preemption:
                 from tpulaunch.host.preemption import watch
 
                 host = self._host
-                watch(env.get("TPULAUNCH_METADATA_HOST") or None, self.preempt, stop=lambda: host.done())
-            return {"pid": self._host.proc.pid, "prewarmed": spare is not None, "why": why}
+                watch(options.metadata_host, self.preempt, stop=lambda: host.done())
+            return Started(self._host.proc.pid, spare is not None, why)
 
-    def _take_spare(self, framework: str | None, run_env: dict[str, str]) -> tuple[HostProcess | None, str]:
-        entry = self._spares.pop(framework or "", None)
+    def _take_spare(self, state: HostState) -> tuple[HostProcess | None, str]:
+        framework = state.framework
+        entry = self._spares.pop(framework, None)
         if entry is None:
             return None, f"no spare with {framework} imported"
         env0, spare = entry
         if not spare.alive:
             return None, "the spare had exited"
-        want = import_env(run_env)
+        want = spare_env(state)
         if want != env0:
             spare.terminate(0.5)
             keys = sorted(k for k in set(want) | set(env0) if want.get(k) != env0.get(k))
@@ -339,20 +338,16 @@ class HostAgent:
         self._notes.append(f"tpulaunch: --kill-stale: {what}; cleared {result}")
         return not result["failed"]
 
-    def poll(self, max_lines: int = 5000, wait_s: float = 0.0) -> dict:
-        """New output lines, and the end once every line is out. Waits up to `wait_s` for either.
-
-        Returns {"lines": [(stream, text)], "code": exit code or None, "wall": seconds,
-        "ended": when it ended (time.time) or None, "activity": last sign of life,
-        "preempted": why, if this host was preempted}.
-        """
+    def poll(self, max_lines: int = 5000, wait_s: float = 0.0) -> PollReply:
+        """New output lines, and the end once every line is out. Waits up to `wait_s` for either."""
         self._last_poll = time.time()
         notes, self._notes = [("stderr", n) for n in self._notes], []
         h = self._host
         if h is None:
-            code = self._refused if self._refused is not None else None
-            return {"lines": notes, "code": code, "wall": 0.0, "ended": time.time() if code is not None else None,
-                    "activity": time.time(), "preempted": self._preempted}
+            code = self._refused
+            now = time.time()
+            return PollReply(lines=tuple(notes), code=code, wall_s=0.0, ended=now if code is not None else None,
+                             activity=now, preempted=self._preempted)
         with h.cond:
             if wait_s > 0 and not h.lines and not h.done():
                 h.cond.wait(wait_s)
@@ -363,9 +358,9 @@ class HostAgent:
         if code is not None:
             phases = self._phases()
             self._cleanup_files()
-        wall = (h.ended or time.time()) - h.started
-        return {"lines": out, "code": code, "wall": wall, "ended": h.ended if code is not None else None,
-                "activity": self._activity(h), "preempted": self._preempted, "phases": phases}
+        return PollReply(lines=tuple(out), code=code, wall_s=(h.ended or time.time()) - h.started,
+                         ended=h.ended if code is not None else None, activity=self._activity(h),
+                         preempted=self._preempted, phases=phases)
 
     def _phases(self) -> dict:
         try:
@@ -383,19 +378,19 @@ class HostAgent:
                 pass
         return max(h.last_line, beat)
 
-    def release(self, prewarm: bool = False, framework: str | None = None, env: dict[str, str] | None = None) -> None:
-        """The run is over: stop what is left of it; with `prewarm`, start a spare for the next."""
+    def release(self, prewarm: HostState | None = None) -> None:
+        """The run is over: stop what is left of it; with `prewarm`, start a spare for the next
+        run like it (on a cluster that stays up)."""
         with self._lock:
             self._end_leftover()
             self._run_id = None
-        if prewarm and framework and env is not None:
-            self.prewarm(framework, env)
+        if prewarm is not None and not prewarm.job.command:
+            self.prewarm(prewarm)
 
-    def prewarm(self, framework: str, env: dict[str, str]) -> bool:
-        """Start a spare with `framework` imported and this host's environment (minus per-run values)."""
-        run_env = host_env()
-        run_env.update(env)
-        env0 = import_env(run_env)
+    def prewarm(self, state: HostState) -> bool:
+        """Start a spare with `state`'s framework imported and the environment runs like it share."""
+        framework = state.framework
+        env0 = spare_env(state)
         old = self._spares.get(framework)
         if old is not None and old[0] == env0 and old[1].alive:
             return True
@@ -469,5 +464,5 @@ class HostAgent:
         return out.stdout if out.returncode == 0 else f"(py-spy dump exited {out.returncode}: {out.stderr.strip()})"
 
 
-def dumps_state(state: object) -> bytes:
+def dumps_state(state: HostState) -> bytes:
     return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)

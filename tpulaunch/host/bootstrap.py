@@ -90,7 +90,7 @@ def boot(state: HostState) -> dict[str, float]:
     fw.boot(state)
     t2 = time.time()
     mesh = fw.build_mesh(state.mesh, state)
-    ctx_mod._install(ctx_mod.RunContext.from_state(state), mesh)
+    ctx_mod._install(ctx_mod.RunContext(state), mesh)
     return {"started_s": t0 - _T0, "import_s": t1 - t0, "boot_s": t2 - t1, "mesh_s": time.time() - t2}
 
 
@@ -114,8 +114,8 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         return EXIT_BOOT_FAILED
     ctx_mod.heartbeat()  # booted: a sign of life for --stall-timeout before the script prints
-    script = os.path.abspath(state.script)
-    sys.argv = [script, *state.args]
+    script = os.path.abspath(state.job.script)
+    sys.argv = [script, *state.job.args]
     sys.path.insert(0, os.path.dirname(script))
     code = 0
     try:

@@ -1,13 +1,12 @@
 """What a launched script sees: `tpulaunch.get_mesh()`, `tpulaunch.context()`, `tpulaunch.heartbeat()`.
 
-The host bootstrap (`tpulaunch/bootstrap.py`) installs these before the user's script runs.
+The host bootstrap (`tpulaunch/host/bootstrap.py`) installs these before the user's script runs.
 Outside a launch they raise a clear error instead of returning something half-right.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tpulaunch.errors import LaunchError
@@ -17,36 +16,88 @@ if TYPE_CHECKING:
     from tpulaunch.plan.launch import HostState
 
 
-@dataclass(frozen=True)
 class RunContext:
-    """Facts about this process's place in the launch. Pure data."""
+    """Facts about this process's place in the launch: a read-only view of its `HostState`."""
 
-    run_id: str
-    process_index: int  # = slice_index * hosts_per_slice + worker_id
-    num_processes: int
-    worker_id: int  # TPU worker id within the slice
-    slice_index: int
-    num_slices: int
-    slice_name: str
-    accelerator_type: str
-    topology: str
-    coordinator_address: str  # host:port of process 0 (torch.distributed / gloo)
-    framework: str
-    emulated: bool
-    log_dir: str
-    mesh_plan: MeshPlan
-    restart_count: int = 0  # 0 on the first attempt; resume from your checkpoint when > 0
+    __slots__ = ("state",)
 
-    @staticmethod
-    def from_state(state: "HostState") -> "RunContext":
-        """The context of the host a HostState describes."""
-        return RunContext(
-            run_id=state.run_id, process_index=state.process_index, num_processes=state.num_processes,
-            worker_id=state.worker_id, slice_index=state.slice_index, num_slices=state.num_slices,
-            slice_name=state.slice_name, accelerator_type=state.accelerator_type, topology=state.topology,
-            coordinator_address=state.coordinator_address, framework=state.framework, emulated=state.emulated,
-            log_dir=state.log_dir, mesh_plan=state.mesh, restart_count=state.restart_count,
-        )
+    def __init__(self, state: "HostState") -> None:
+        object.__setattr__(self, "state", state)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("RunContext is read-only")
+
+    def __reduce__(self) -> tuple:
+        return RunContext, (self.state,)
+
+    def __repr__(self) -> str:
+        return (f"RunContext(run_id={self.run_id!r}, process_index={self.process_index}, num_processes="
+                f"{self.num_processes}, slice={self.slice_name!r}, worker_id={self.worker_id},"
+                f" restart_count={self.restart_count}, emulated={self.emulated})")
+
+    @property
+    def run_id(self) -> str:
+        return self.state.job.run_id
+
+    @property
+    def process_index(self) -> int:
+        """= slice_index * hosts_per_slice + worker_id."""
+        return self.state.slot.process_index
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def worker_id(self) -> int:
+        """The TPU worker id within the slice."""
+        return self.state.slot.worker_id
+
+    @property
+    def slice_index(self) -> int:
+        return self.state.slot.slice_index
+
+    @property
+    def num_slices(self) -> int:
+        return self.state.num_slices
+
+    @property
+    def slice_name(self) -> str:
+        return self.state.slot.slice_name
+
+    @property
+    def accelerator_type(self) -> str:
+        return self.state.job.topology.accelerator_type
+
+    @property
+    def topology(self) -> str:
+        return self.state.job.topology.topology
+
+    @property
+    def coordinator_address(self) -> str:
+        """host:port of process 0 (torch.distributed's MASTER_ADDR:MASTER_PORT)."""
+        return self.state.endpoints.coordinator_address
+
+    @property
+    def framework(self) -> str:
+        return self.state.job.framework
+
+    @property
+    def emulated(self) -> bool:
+        return self.state.job.emulated
+
+    @property
+    def log_dir(self) -> str:
+        return self.state.job.log_dir
+
+    @property
+    def mesh_plan(self) -> MeshPlan:
+        return self.state.job.mesh
+
+    @property
+    def restart_count(self) -> int:
+        """0 on the first attempt; resume from your checkpoint when > 0."""
+        return self.state.attempt
 
     @property
     def is_coordinator(self) -> bool:

@@ -1,7 +1,19 @@
-"""`LaunchPlan`: everything each host needs, as pure data, built without touching anything.
+"""`LaunchPlan` and `HostState`: what a launch is and what each host gets, as typed, frozen data.
 
-`build_plan()` is a pure function of its arguments: `--dry-run` prints its result, tests
-compare it field by field, and `tpulaunch.run.execute` takes nothing else.
+`build_plan()` is a pure function of its arguments: `--dry-run` prints its result, tests compare
+it field by field, and the run stages take nothing else.
+
+A plan is three things that change at different rates:
+
+* `Job`: what every host of the run shares from the first attempt to the last (script, framework,
+  mesh, user environment);
+* `HostSlot`: one host's place in it (process index, slice, TPU worker id, address);
+* `Endpoints` and `attempt`: where the hosts meet this attempt (process 0's address and ports).
+  A restart changes these fields and nothing else.
+
+`HostState` is one host's contract: the job, its slot, the attempt and the endpoints. It is pickled
+to the host; the environment the host process sees is derived from it by `plan.env.host_env()`,
+and the framework adapters read its fields, never environment strings tpulaunch itself set.
 
 Process index is the TPU worker id in physical order (plus `slice_index * hosts_per_slice` on
 multislice), never the order Ray happened to schedule in.
@@ -12,7 +24,8 @@ from __future__ import annotations
 import datetime
 import re
 import secrets
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
+from typing import Mapping
 
 from tpulaunch.errors import LaunchError
 from tpulaunch.plan.mesh import MeshPlan
@@ -30,8 +43,9 @@ def default_compile_cache(framework: str, topology: Topology, num_slices: int, e
     None for torch_xla: 2.9 writes cached executables but cannot load them on TPU or CPU
     ("Deserializing serialized executable not supported", pytorch/xla#9094), so a default cache
     would only cost disk and a warning per compile. `--compile-cache DIR` still turns it on.
+    None too for a command or a script that boots no framework: nothing compiles.
     """
-    if framework == "torch_xla":
+    if framework not in ("jax",):
         return None
     key = f"{'emulated-' if emulated else ''}{topology.accelerator_type}-{topology.topology}"
     if num_slices > 1:
@@ -63,139 +77,216 @@ def parse_env(items: list[str] | None) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class HostLaunch:
-    """One host process of the launch."""
+class Endpoints:
+    """Where the hosts of one attempt meet, all on process 0's host. A new attempt may move them.
+
+    `master_port` is `MASTER_PORT` (a script's own `env://` group); tpulaunch's own gloo group keeps
+    its store on `group_port`, so a script that destroys that group and makes its own never races
+    a listener that is closing (None: the store shares `master_port`, as under Ray Train).
+    """
+
+    host: str
+    master_port: int
+    group_port: int | None = None
+    jax_port: int | None = None  # JAX's coordinator (jax.distributed), when the framework is JAX
+    emulation_port: int | None = None  # emulated torch_xla hosts' own store (per-host input)
+    megascale_port: int = MEGASCALE_PORT
+
+    @property
+    def coordinator_address(self) -> str:
+        return f"{self.host}:{self.master_port}"
+
+    @property
+    def group_address(self) -> str:
+        return f"{self.host}:{self.group_port or self.master_port}"
+
+    @property
+    def jax_address(self) -> str | None:
+        return f"{self.host}:{self.jax_port}" if self.jax_port is not None else None
+
+    @property
+    def emulation_address(self) -> str | None:
+        return f"{self.host}:{self.emulation_port}" if self.emulation_port is not None else None
+
+    def moved(self, *, master_port: int | None = None, group_port: int | None = None, jax_port: int | None = None,
+              emulation_port: int | None = None) -> "Endpoints":
+        """The same meeting place with the given ports replaced (a restart on one machine)."""
+        return replace(
+            self,
+            master_port=master_port or self.master_port,
+            group_port=group_port or self.group_port,
+            jax_port=jax_port if (jax_port and self.jax_port is not None) else self.jax_port,
+            emulation_port=emulation_port if (emulation_port and self.emulation_port is not None) else self.emulation_port,
+        )
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every host of a run shares, from its first attempt to its last."""
+
+    run_id: str
+    script: str
+    args: tuple[str, ...]
+    framework: str
+    mesh: MeshPlan
+    emulated: bool
+    distributed: bool  # open tpulaunch's gloo group across the hosts
+    metadata_server: bool  # the hosts can ask a GCE metadata server (real TPU VMs)
+    log_dir: str
+    workdir: str
+    command: tuple[str, ...] = ()  # `tpulaunch exec`: run this instead of a script
+    compile_cache: str | None = None  # persistent XLA compilation cache dir on each host ("~" is the host's)
+    emulation_env: Mapping[str, str] = field(default_factory=dict)  # the adapter's CPU emulation of a host
+    user_env: Mapping[str, str] = field(default_factory=dict)  # --env, applied last
+
+    @property
+    def topology(self) -> Topology:
+        return self.mesh.topology
+
+
+@dataclass(frozen=True)
+class HostSlot:
+    """One host's place in the launch."""
 
     process_index: int
     slice_index: int
     worker_id: int
     slice_name: str
     ip: str
-    env: dict[str, str]
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    run_id: str
-    script: str
-    args: tuple[str, ...]
-    framework: str
-    mesh: MeshPlan
-    slices: tuple[SliceSpec, ...]
-    hosts: tuple[HostLaunch, ...]
-    emulated: bool
-    coordinator_address: str
-    distributed: bool
-    log_dir: str
-    workdir: str
-    command: tuple[str, ...] = ()  # set for `tpulaunch exec`: run this instead of a script
-    attempt: int = 0  # 0, then 1, 2, ... when the whole slice is restarted
-    compile_cache: str | None = None  # persistent XLA compilation cache dir on each host ("~" is the host's)
-    # host:port of the store of tpulaunch's own gloo group (build_plan: the coordinator's unless a
-    # group port is given). Not MASTER_PORT: a script that destroys the group and makes its own over
-    # env:// would otherwise race the old listener on that port.
-    group_address: str = ""
-
-    @property
-    def topology(self) -> Topology:
-        return self.mesh.topology
-
-    def for_attempt(self, attempt: int, *, coordinator_port: int | None = None, group_port: int | None = None,
-                    jax_coordinator_port: int | None = None, emulation_port: int | None = None) -> "LaunchPlan":
-        """The plan of restart number `attempt`: a new process group (new ports, if given) and
-        `TPULAUNCH_RESTART_COUNT`, everything else as planned. Pure."""
-        host0 = self.coordinator_address.rsplit(":", 1)[0]
-        coordinator = f"{host0}:{coordinator_port}" if coordinator_port else self.coordinator_address
-        group = f"{host0}:{group_port}" if group_port else self.group_address
-        hosts = []
-        for h in self.hosts:
-            env = dict(h.env, TPULAUNCH_RESTART_COUNT=str(attempt), TPULAUNCH_COORDINATOR_ADDRESS=coordinator,
-                       TPULAUNCH_GROUP_ADDRESS=group)
-            if coordinator_port:
-                env["MASTER_PORT"] = str(coordinator_port)
-            if jax_coordinator_port and "JAX_COORDINATOR_ADDRESS" in env:
-                env["JAX_COORDINATOR_ADDRESS"] = f"{host0}:{jax_coordinator_port}"
-            if emulation_port and "TPULAUNCH_EMULATION_PORT" in env:
-                env["TPULAUNCH_EMULATION_PORT"] = str(emulation_port)
-            hosts.append(replace(h, env=env))
-        return replace(self, hosts=tuple(hosts), coordinator_address=coordinator, group_address=group, attempt=attempt)
-
-    def to_dict(self) -> dict:
-        return {
-            "schema": "tpulaunch.launch/v1",
-            "run_id": self.run_id,
-            "script": self.script,
-            "args": list(self.args),
-            "command": list(self.command),
-            "framework": self.framework,
-            "emulated": self.emulated,
-            "distributed": self.distributed,
-            "coordinator_address": self.coordinator_address,
-            "group_address": self.group_address,
-            "log_dir": self.log_dir,
-            "workdir": self.workdir,
-            "attempt": self.attempt,
-            "compile_cache": self.compile_cache,
-            "topology": self.topology.to_dict(with_hosts=False),
-            "num_slices": self.mesh.num_slices,
-            "slices": [s.to_dict() for s in self.slices],
-            "mesh": self.mesh.to_dict(devices=False),
-            "hosts": [asdict(h) for h in self.hosts],
-        }
+    slice_ips: tuple[str, ...]  # every worker of its slice in worker-id order (TPU_WORKER_HOSTNAMES)
 
 
 @dataclass(frozen=True)
 class HostState:
-    """What one host's bootstrap process unpickles: its part of the plan plus the mesh plan."""
+    """One host's whole contract: its slot in the job, this attempt, and where the hosts meet.
 
-    run_id: str
-    process_index: int
-    num_processes: int
-    worker_id: int
-    slice_index: int
-    num_slices: int
-    slice_name: str
-    accelerator_type: str
-    topology: str
-    coordinator_address: str
-    framework: str
-    emulated: bool
-    distributed: bool
-    log_dir: str
-    script: str
-    args: tuple[str, ...]
-    mesh: MeshPlan
-    command: tuple[str, ...] = ()
-    extra: dict = field(default_factory=dict)
-    restart_count: int = 0
-    compile_cache: str | None = None
-    group_address: str = ""  # tpulaunch's gloo group store (LaunchPlan.group_address)
+    Pickled to the host process (and to a Ray Train worker); `tpulaunch.context()` is a view of it.
+    """
 
-    @staticmethod
-    def for_host(plan: LaunchPlan, host: HostLaunch) -> "HostState":
-        return HostState(
-            run_id=plan.run_id,
-            process_index=host.process_index,
-            num_processes=len(plan.hosts),
-            worker_id=host.worker_id,
-            slice_index=host.slice_index,
-            num_slices=plan.mesh.num_slices,
-            slice_name=host.slice_name,
-            accelerator_type=plan.topology.accelerator_type,
-            topology=plan.topology.topology,
-            coordinator_address=plan.coordinator_address,
-            framework=plan.framework,
-            emulated=plan.emulated,
-            distributed=plan.distributed,
-            log_dir=plan.log_dir,
-            script=plan.script,
-            args=plan.args,
-            mesh=plan.mesh,
-            command=plan.command,
-            restart_count=plan.attempt,
-            compile_cache=plan.compile_cache,
-            group_address=plan.group_address,
-        )
+    job: Job
+    slot: HostSlot
+    attempt: int
+    endpoints: Endpoints
+
+    # Read-only views of the fields, named as a host's code asks for them.
+    @property
+    def run_id(self) -> str:
+        return self.job.run_id
+
+    @property
+    def framework(self) -> str:
+        return self.job.framework
+
+    @property
+    def mesh(self) -> MeshPlan:
+        return self.job.mesh
+
+    @property
+    def emulated(self) -> bool:
+        return self.job.emulated
+
+    @property
+    def process_index(self) -> int:
+        return self.slot.process_index
+
+    @property
+    def num_processes(self) -> int:
+        return self.job.mesh.num_processes
+
+    @property
+    def worker_id(self) -> int:
+        return self.slot.worker_id
+
+    @property
+    def slice_index(self) -> int:
+        return self.slot.slice_index
+
+    @property
+    def num_slices(self) -> int:
+        return self.job.mesh.num_slices
+
+    @property
+    def slice_name(self) -> str:
+        return self.slot.slice_name
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Every host of every slice for one attempt: the job, the slots, the meeting place."""
+
+    job: Job
+    slices: tuple[SliceSpec, ...]
+    hosts: tuple[HostSlot, ...]  # by process index
+    endpoints: Endpoints
+    attempt: int = 0  # 0, then 1, 2, ... when the whole slice is restarted
+
+    # The job's fields, for the stages that read them often.
+    @property
+    def run_id(self) -> str:
+        return self.job.run_id
+
+    @property
+    def framework(self) -> str:
+        return self.job.framework
+
+    @property
+    def mesh(self) -> MeshPlan:
+        return self.job.mesh
+
+    @property
+    def topology(self) -> Topology:
+        return self.job.mesh.topology
+
+    @property
+    def emulated(self) -> bool:
+        return self.job.emulated
+
+    @property
+    def coordinator_address(self) -> str:
+        return self.endpoints.coordinator_address
+
+    def state(self, process_index: int) -> HostState:
+        """The contract of the host with this process index."""
+        return HostState(self.job, self.hosts[process_index], self.attempt, self.endpoints)
+
+    def states(self) -> list[HostState]:
+        return [self.state(h.process_index) for h in self.hosts]
+
+    def env(self, process_index: int) -> dict[str, str]:
+        """The environment of that host's process (`plan.env.host_env` of its state)."""
+        from tpulaunch.plan.env import host_env
+
+        return host_env(self.state(process_index))
+
+    def for_attempt(self, attempt: int, endpoints: Endpoints | None = None) -> "LaunchPlan":
+        """The plan of restart number `attempt`, meeting at `endpoints` (default: the same). Pure."""
+        return replace(self, attempt=attempt, endpoints=endpoints or self.endpoints)
+
+    def to_dict(self) -> dict:
+        j = self.job
+        return {
+            "schema": "tpulaunch.launch/v1",
+            "run_id": j.run_id,
+            "script": j.script,
+            "args": list(j.args),
+            "command": list(j.command),
+            "framework": j.framework,
+            "emulated": j.emulated,
+            "distributed": j.distributed,
+            "coordinator_address": self.endpoints.coordinator_address,
+            "group_address": self.endpoints.group_address,
+            "log_dir": j.log_dir,
+            "workdir": j.workdir,
+            "attempt": self.attempt,
+            "compile_cache": j.compile_cache,
+            "topology": self.topology.to_dict(with_hosts=False),
+            "num_slices": self.mesh.num_slices,
+            "slices": [s.to_dict() for s in self.slices],
+            "mesh": self.mesh.to_dict(devices=False),
+            "hosts": [{"process_index": h.process_index, "slice_index": h.slice_index, "worker_id": h.worker_id,
+                       "slice_name": h.slice_name, "ip": h.ip, "env": self.env(h.process_index)}
+                      for h in self.hosts],
+        }
 
 
 def build_plan(
@@ -205,14 +296,14 @@ def build_plan(
     script: str,
     args: list[str] | tuple[str, ...] = (),
     framework: str = "torch_xla",
-    user_env: dict[str, str] | None = None,
+    user_env: Mapping[str, str] | None = None,
     run_id: str,
     coordinator_port: int,
     group_port: int | None = None,
     jax_coordinator_port: int | None = None,
     megascale_port: int = MEGASCALE_PORT,
     emulated: bool,
-    emulation_env: dict[str, str] | None = None,
+    emulation_env: Mapping[str, str] | None = None,
     emulation_port: int | None = None,
     metadata_server: bool = False,
     distributed: bool = True,
@@ -221,13 +312,12 @@ def build_plan(
     command: tuple[str, ...] = (),
     compile_cache: str | None = None,
 ) -> LaunchPlan:
-    """Plan a launch: one HostLaunch per TPU host of every slice, with its full environment.
+    """Plan a launch: one HostSlot per TPU host of every slice, meeting on slice 0's worker 0.
 
     `metadata_server` says whether the hosts can ask a GCE metadata server (real TPU VMs);
-    without one (emulation, containers) the slice facts are pushed as `TPU_*` variables with
-    `TPU_SKIP_MDS_QUERY=1`, the fallback torch_xla and libtpu honour. `emulation_env` is what
-    the framework adapter needs to emulate a host on CPU (`Framework.emulation_env`), applied
-    when `emulated`; `emulation_port` is the port of the store emulated hosts use among
+    without one (emulation, containers) the slice facts are pushed as `TPU_*` variables (see
+    `plan.env`). `emulation_env` is what the framework adapter needs to emulate a host on CPU,
+    applied when `emulated`; `emulation_port` is the port of the store emulated hosts use among
     themselves (per-host input is all-gathered over it).
     """
     topo = mesh.topology
@@ -239,82 +329,21 @@ def build_plan(
                 f"slice {s.name} lists {len(s.workers)} workers but {topo.accelerator_type} has {topo.num_hosts} hosts",
                 "the slice does not match its topology; describe it with `tpulaunch slice describe`",
             )
-    first = slices[0].workers[0].ip
-    coordinator = f"{first}:{coordinator_port}"
-    group = f"{first}:{group_port}" if group_port else coordinator
-    n_proc = topo.num_hosts * len(slices)
     hosts = []
     for s_idx, s in enumerate(slices):
-        hostnames = ",".join(w.ip for w in s.workers)
+        ips = tuple(w.ip for w in s.workers)
         for w in s.workers:
-            proc = s_idx * topo.num_hosts + w.worker_id
-            env: dict[str, str] = {
-                "TPULAUNCH_RUN_ID": run_id,
-                "TPULAUNCH_PROCESS_INDEX": str(proc),
-                "TPULAUNCH_NUM_PROCESSES": str(n_proc),
-                "TPULAUNCH_COORDINATOR_ADDRESS": coordinator,
-                "TPULAUNCH_GROUP_ADDRESS": group,
-                "TPULAUNCH_EMULATED": "1" if emulated else "0",
-                "TPULAUNCH_RESTART_COUNT": "0",
-                "TPULAUNCH_FRAMEWORK": framework,
-                # torch.distributed (gloo) and anything reading the usual names
-                "MASTER_ADDR": first,
-                "MASTER_PORT": str(coordinator_port),
-                "RANK": str(proc),
-                "WORLD_SIZE": str(n_proc),
-                "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": "1",
-                # what libtpu / torch_xla / JAX's GKE cluster detection read
-                "TPU_WORKER_ID": str(w.worker_id),
-                "TPU_WORKER_HOSTNAMES": hostnames,
-                "TPU_ACCELERATOR_TYPE": topo.accelerator_type,
-                "TPU_NAME": s.name,
-                "PJRT_DEVICE": "TPU",
-                "PYTHONUNBUFFERED": "1",
-            }
-            if not metadata_server:
-                env.update(
-                    {
-                        "TPU_SKIP_MDS_QUERY": "1",
-                        "TPU_TOPOLOGY": topo.topology,
-                        "TPU_HOST_BOUNDS": topo.bounds_str(topo.host_bounds),
-                        "TPU_CHIPS_PER_HOST_BOUNDS": topo.bounds_str(topo.chips_per_host_bounds),
-                    }
-                )
-            if jax_coordinator_port is not None:
-                env["JAX_COORDINATOR_ADDRESS"] = f"{first}:{jax_coordinator_port}"
-                env["JAX_NUM_PROCESSES"] = str(n_proc)
-                env["JAX_PROCESS_ID"] = str(proc)
-            if len(slices) > 1:
-                env.update(
-                    {
-                        "MEGASCALE_COORDINATOR_ADDRESS": first,
-                        "MEGASCALE_PORT": str(megascale_port),
-                        "MEGASCALE_NUM_SLICES": str(len(slices)),
-                        "MEGASCALE_SLICE_ID": str(s_idx),
-                    }
-                )
-            if emulated:
-                env.update(emulation_env or {})
-                if emulation_port is not None:
-                    env["TPULAUNCH_EMULATION_PORT"] = str(emulation_port)
-            env.update(user_env or {})
-            hosts.append(HostLaunch(proc, s_idx, w.worker_id, s.name, w.ip, env))
+            hosts.append(HostSlot(s_idx * topo.num_hosts + w.worker_id, s_idx, w.worker_id, s.name, w.ip, ips))
     hosts.sort(key=lambda h: h.process_index)
-    return LaunchPlan(
-        run_id=run_id,
-        script=script,
-        args=tuple(args),
-        framework=framework,
-        mesh=mesh,
-        slices=tuple(slices),
-        hosts=tuple(hosts),
-        emulated=emulated,
-        coordinator_address=coordinator,
-        group_address=group,
-        distributed=distributed,
-        log_dir=log_dir,
-        workdir=workdir,
-        command=command,
-        compile_cache=compile_cache,
+    job = Job(
+        run_id=run_id, script=script, args=tuple(args), framework=framework, mesh=mesh, emulated=emulated,
+        distributed=distributed, metadata_server=metadata_server, log_dir=log_dir, workdir=workdir,
+        command=tuple(command), compile_cache=compile_cache,
+        emulation_env=dict(emulation_env or {}) if emulated else {}, user_env=dict(user_env or {}),
     )
+    endpoints = Endpoints(
+        host=slices[0].workers[0].ip, master_port=coordinator_port, group_port=group_port,
+        jax_port=jax_coordinator_port, emulation_port=emulation_port if emulated else None,
+        megascale_port=megascale_port,
+    )
+    return LaunchPlan(job=job, slices=tuple(slices), hosts=tuple(hosts), endpoints=endpoints)

@@ -5,7 +5,7 @@ to under 2 KB even for a 6144-chip pod). Every derived table (which physical dev
 at which mesh position, the HLO sharding of a tensor) is recomputed from those fields, so the
 driver and every host agent agree on it without shipping large arrays. The framework mesh
 (`torch_xla.distributed.spmd.Mesh`, `jax.sharding.Mesh`) is only ever built from it inside the
-process that trains, after its runtime is up (see `tpulaunch/frameworks/`).
+process that trains, after its runtime is up (see `tpulaunch/host/frameworks/`).
 
 Device ids
     Plan device id = `slice * devices_per_slice + worker_id * devices_per_host + local`, where

@@ -1,16 +1,17 @@
-"""What `tpulaunch run` and `tpulaunch exec` do, as a library: prepare, launch, execute.
+"""What `tpulaunch run` and `tpulaunch exec` do, as a library.
 
-* `prepare`: flags (`LaunchRequest`) to the `LaunchPlan`, starting nothing (all `--dry-run` needs);
-* `launch`: get a Ray cluster (start an emulated one when none is given), run attempts of the
-  whole slice within the restart and preemption budgets, clean up;
-* `execute`: one attempt: gang-schedule one host agent per TPU host, stream, fail fast;
-* `summary`: what a run produced (`RunSummary`, `Attempt`, `HostResult`) and who failed first.
+* `prepare`: the request (`LaunchRequest`) and what its cluster holds to the `LaunchPlan`,
+  connecting nowhere (all `--dry-run` needs); `find_cluster` says which cluster it goes to;
+* `launch`: get a Ray cluster (start an emulated one when none is given; `Connection` is the one
+  connection to an existing one), run attempts as `policy` decides, clean up;
+* `execute`: one attempt: gang-schedule one host agent per TPU host (`fleet`), supervise, fail fast;
+* `watch` and `policy`: the decisions, pure; `summary`: what a run produced; `paths`: where it went.
 """
 
 from tpulaunch.run.execute import Limits, Sink, execute
-from tpulaunch.run.launch import launch
-from tpulaunch.run.prepare import LaunchRequest, Prepared, prepare
-from tpulaunch.run.summary import Attempt, HostResult, RunSummary
+from tpulaunch.run.launch import Connection, launch
+from tpulaunch.run.prepare import LaunchRequest, Prepared, Target, find_cluster, prepare, shipped_workdir
+from tpulaunch.run.summary import Attempt, HostResult, Outcome, RunSummary
 
-__all__ = ["Attempt", "HostResult", "LaunchRequest", "Limits", "Prepared", "RunSummary", "Sink", "execute", "launch",
-           "prepare"]
+__all__ = ["Attempt", "Connection", "HostResult", "LaunchRequest", "Limits", "Outcome", "Prepared", "RunSummary",
+           "Sink", "Target", "execute", "find_cluster", "launch", "prepare", "shipped_workdir"]

@@ -1,16 +1,11 @@
 """One launch from start to end: get a Ray cluster (start an emulated one if none was given),
-run attempts of the whole slice within the restart and preemption budgets, clean up whatever this
-launch started, and write `summary.json`.
+run attempts of the whole slice as `run.policy` decides, clean up whatever this launch started,
+and write `summary.json`.
 
-A run is a sequence of attempts. After a failed attempt (a host exited non-zero) the whole slice
-is relaunched (new process group, `TPULAUNCH_RESTART_COUNT` one more) while `--max-restarts`
-allows; exits 2 (bad input), 86 (boot failure) and 87 (TPU busy, without --kill-stale) are never
-retried: a rerun would fail the same way. After a lost or preempted host, `--max-preemptions`
-allows a relaunch once the slice is whole again in Ray (an emulated host is started again), for
-up to `--preemption-wait` seconds. Timeouts (`--timeout`, `--stall-timeout`) and signals end the run.
-
-SIGINT/SIGTERM at any moment (cluster start, ray.init, the run) stop everything this launch
-started and end it with 130/143 within seconds.
+`Connection` is the launch's one connection to an existing cluster: it reads the slices a real
+cluster holds (for `prepare`) and the run reuses it. SIGINT/SIGTERM at any moment (cluster
+start, ray.init, the run) stop everything this launch started and end it with 130/143 within
+seconds.
 """
 
 from __future__ import annotations
@@ -19,19 +14,21 @@ import json
 import signal
 import threading
 import time
-from pathlib import Path
 
+from tpulaunch import discover
 from tpulaunch.cluster import emulated, reaper
 from tpulaunch.cluster.connect import connect, disconnect, ray_output_to
 from tpulaunch.cluster.ports import free_port
 from tpulaunch.cluster.processes import stop_run_processes
-from tpulaunch.cluster.record import ClusterInfo, load_record, save_record
-from tpulaunch.errors import ExitCode, LaunchError
+from tpulaunch.cluster.record import ClusterInfo, load_record, save_record, state_dir
+from tpulaunch.errors import LaunchError
 from tpulaunch.host.agent import agent_for
 from tpulaunch.plan.launch import LaunchPlan
-from tpulaunch.run import summary as S
+from tpulaunch.run import policy
 from tpulaunch.run.execute import Limits, Sink, execute
-from tpulaunch.run.prepare import Prepared
+from tpulaunch.run.paths import RunPaths
+from tpulaunch.run.prepare import LaunchRequest, Prepared, Target, recorded_slices
+from tpulaunch.run.summary import Attempt, Outcome, RunSummary, exit_code_for
 
 
 class Interrupted(BaseException):
@@ -68,27 +65,63 @@ class Interrupts:
             signal.signal(sig, old)  # type: ignore[arg-type]
 
 
-def launch(prep: Prepared, sink: Sink, *, dashboard: bool = False, quiet_ray: bool = False,
-           debug: bool = False) -> S.RunSummary:
+class Connection:
+    """The launch's connection to the cluster it runs on: opened at most once, closed at the end."""
+
+    def __init__(self, target: Target, runtime_env: dict | None = None) -> None:
+        self.target = target
+        self.runtime_env = runtime_env
+        self.open = False
+
+    def cluster_slices(self, req: LaunchRequest) -> discover.ClusterSlices | None:
+        """What the cluster holds, for `prepare`: an emulated cluster's record, or (a real cluster)
+        the slices its nodes' TPU labels describe, read over this connection."""
+        cluster = self.target.cluster
+        if cluster is None:
+            return None
+        if cluster.emulated:
+            return recorded_slices(cluster)
+        if req.slices.queued_resource:
+            return discover.ClusterSlices(False)  # its slices come from the Cloud TPU API
+        from tpulaunch.discover import ray_labels
+
+        with ray_output_to(state_dir() / "ray-driver.log", True):
+            self.connect(cluster)
+            found = ray_labels.read_slices()
+        return discover.ClusterSlices(False, ray_slices=tuple(found))
+
+    def connect(self, cluster: ClusterInfo) -> None:
+        if not self.open:
+            connect(cluster, self.runtime_env)
+            self.open = True
+
+    def close(self) -> None:
+        if self.open:
+            disconnect()
+            self.open = False
+
+
+def launch(prep: Prepared, sink: Sink, connection: Connection | None = None, *, dashboard: bool = False,
+           quiet_ray: bool = False, debug: bool = False) -> RunSummary:
     """Get a cluster, run the attempts, clean up; returns (and writes) the run's summary."""
     plan, req = prep.plan, prep.request
-    run_dir = Path(plan.log_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    paths = RunPaths.of(plan.job.log_dir)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    conn = connection or Connection(Target(prep.cluster), prep.runtime_env)
     t0 = time.monotonic()
     limits = Limits(
         schedule_timeout_s=req.schedule_timeout, preemption_grace_s=req.preemption_grace,
         deadline=t0 + req.timeout if req.timeout else None, stall_timeout_s=req.stall_timeout,
         kill_stale=req.kill_stale, debug=debug, keep_warm=prep.cluster is not None or req.keep_cluster,
-        watch_preemption=not plan.emulated or any("TPULAUNCH_METADATA_HOST" in h.env for h in plan.hosts),
+        watch_preemption=not plan.emulated or "TPULAUNCH_METADATA_HOST" in plan.job.user_env,
     )
-    attempts: list[S.Attempt] = []
+    attempts: list[Attempt] = []
     phases: dict[str, float] = {}  # launch-level timings (the attempts add theirs)
-    budget = {"restarts": 0, "preemptions": 0}
+    spent = policy.Spent()
     note: str | None = None
     owned: ClusterInfo | None = None
-    cluster: ClusterInfo | None = None
     interrupted: int | None = None
-    with Interrupts() as sigs, ray_output_to(run_dir / "ray.log", quiet_ray):
+    with Interrupts() as sigs, ray_output_to(paths.ray_log, quiet_ray):
         try:
             cluster = prep.cluster
             if cluster is None:
@@ -103,36 +136,39 @@ def launch(prep: Prepared, sink: Sink, *, dashboard: bool = False, quiet_ray: bo
                 )
                 t = time.monotonic()
                 early: list = []
-                owned = cluster = emulated.start_emulated(list(plan.slices), plan.topology, dashboard=dashboard,
-                                                          progress=sink.progress, on_head=lambda c: _early(c, plan, early))
+                owned = cluster = emulated.start_emulated(
+                    list(plan.slices), plan.topology, dashboard=dashboard, progress=sink.progress,
+                    on_head=lambda c: _early(c, conn, plan, early))
                 _wait(early, 60.0)  # every spare spawned before its host's start() can look for it
                 phases["cluster_start_s"] = time.monotonic() - t
             else:
                 t = time.monotonic()
-                connect(cluster, prep.runtime_env)
+                conn.connect(cluster)
                 phases["connect_s"] = time.monotonic() - t
             sigs.raise_now = False
             with reaper.in_use(cluster.temp_dir):
-                note = _attempts(plan, req, sink, limits, sigs, cluster, attempts, budget)
+                spent, note = _attempts(plan, req, sink, limits, sigs, cluster, attempts)
         except Interrupted as e:
             interrupted = e.signum
         finally:
             sigs.raise_now = False
-            disconnect()
+            conn.close()
             if owned is not None and not (req.keep_cluster and interrupted is None and _keep(owned, req, sink)):
                 sink.progress("stopping the emulated Ray cluster")
                 emulated.stop_cluster(owned)
             if plan.emulated:
                 stop_run_processes(plan.run_id)  # a host Ray could no longer reach (its node lost)
-    return _summary(prep, attempts, budget, note, interrupted, time.monotonic() - t0, phases)
+    summary = _summary(plan, attempts, spent, note, interrupted, time.monotonic() - t0, phases)
+    paths.summary.write_text(json.dumps(summary.to_dict(), indent=2))
+    return summary
 
 
-def _early(cluster: ClusterInfo, plan: LaunchPlan, refs: list) -> None:
+def _early(cluster: ClusterInfo, conn: Connection, plan: LaunchPlan, refs: list) -> None:
     """The head of a new emulated cluster is up: connect, and let each host's agent start its
     framework import as soon as its node joins, while the other nodes are still starting."""
-    connect(cluster)
-    if not plan.command:
-        refs.extend(agent_for(h.slice_name, h.worker_id).prewarm.remote(plan.framework, h.env) for h in plan.hosts)
+    conn.connect(cluster)
+    if not plan.job.command:
+        refs.extend(agent_for(h.slice_name, h.worker_id).prewarm.remote(state) for h, state in zip(plan.hosts, plan.states()))
 
 
 def _wait(refs: list, timeout_s: float) -> None:
@@ -142,7 +178,7 @@ def _wait(refs: list, timeout_s: float) -> None:
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
-def _keep(cluster: ClusterInfo, req, sink: Sink) -> bool:  # noqa: ANN001
+def _keep(cluster: ClusterInfo, req: LaunchRequest, sink: Sink) -> bool:
     """Leave the cluster this run started up for the next runs (`--keep-cluster`), if none is recorded."""
     rec = load_record()
     if rec is not None and (rec.running_here or rec.remote):
@@ -157,52 +193,40 @@ def _keep(cluster: ClusterInfo, req, sink: Sink) -> bool:  # noqa: ANN001
     return True
 
 
-def _attempts(plan: LaunchPlan, req, sink: Sink, limits: Limits, sigs: Interrupts, cluster: ClusterInfo,  # noqa: ANN001
-              attempts: list[S.Attempt], budget: dict[str, int]) -> str | None:
-    """Run attempts until one ends the run; returns a note on why the last one was not retried."""
+def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, sigs: Interrupts,
+              cluster: ClusterInfo, attempts: list[Attempt]) -> tuple[policy.Spent, str | None]:
+    """Run attempts until the policy finishes the run; returns what was spent and why it finished."""
+    budgets = policy.Budgets(req.max_restarts, req.max_preemptions, req.kill_stale)
+    spent = policy.Spent()
+    gcs = None if cluster.address.startswith("ray://") else cluster.address
     current = plan
     while True:
-        a = execute(current, sink, limits, sigs, gcs_address=None if cluster.address.startswith("ray://") else cluster.address)
+        a = execute(current, sink, limits, sigs, gcs_address=gcs)
         attempts.append(a)
-        if a.outcome in (S.OK, S.INTERRUPTED, S.TIMEOUT, S.STALLED):
-            return None
-        first = a.first_failure or {}
-        if a.outcome in (S.LOST, S.PREEMPTED):
-            if budget["preemptions"] >= req.max_preemptions:
-                return _spent("--max-preemptions", req.max_preemptions)
-            if "head node" in (first.get("reason") or ""):
-                return "the Ray head is gone with its node: no cluster to relaunch on"
-            budget["preemptions"] += 1
-            sink.progress(f"host {first.get('process_index')} {first.get('reason')}: waiting up to"
-                          f" {req.preemption_wait:g} s for the slice to be whole again"
-                          f" (preemption {budget['preemptions']} of {req.max_preemptions})")
+        decision = policy.decide(a, budgets, spent)
+        first = a.first_failure
+        who = f"host {first.process_index} {first.reason}" if first else "the attempt"
+        if decision.action is policy.Action.FINISH:
+            return spent, decision.why
+        spent = decision.spent
+        if decision.action is policy.Action.WAIT_FOR_SLICE:
+            sink.progress(f"{who}: waiting up to {req.preemption_wait:g} s for the slice to be whole again"
+                          f" (preemption {spent.preemptions} of {req.max_preemptions})")
             if not _wait_for_slice(current, cluster, req.preemption_wait, sigs, sink):
-                return f"the slice was not whole again within --preemption-wait {req.preemption_wait:g} s"
+                return spent, f"the slice was not whole again within --preemption-wait {req.preemption_wait:g} s"
         else:
-            code = a.exit_code
-            if code in S.NEVER_RETRIED or (code == ExitCode.TPU_BUSY and not req.kill_stale):
-                return f"exit {code} is never retried: a rerun would fail the same way"
-            if budget["restarts"] >= req.max_restarts:
-                return _spent("--max-restarts", req.max_restarts)
-            budget["restarts"] += 1
-            sink.progress(f"host {first.get('process_index')} {first.get('reason')}: restarting the whole slice"
-                          f" (restart {budget['restarts']} of {req.max_restarts})")
+            sink.progress(f"{who}: restarting the whole slice (restart {spent.restarts} of {req.max_restarts})")
         if sigs.received is not None:
-            return None
-        current = plan.for_attempt(current.attempt + 1, **_fresh_ports(plan))
+            return spent, None
+        current = plan.for_attempt(current.attempt + 1, _fresh_endpoints(plan))
 
 
-def _spent(flag: str, n: int) -> str | None:
-    return f"{flag} {n} spent" if n else None
-
-
-def _fresh_ports(plan: LaunchPlan) -> dict[str, int | None]:
+def _fresh_endpoints(plan: LaunchPlan):  # noqa: ANN202 - Endpoints
     """A new process group per attempt; on one machine also new ports (the old ones may linger)."""
     if not plan.emulated:
-        return {}
-    jax = "JAX_COORDINATOR_ADDRESS" in plan.hosts[0].env
-    return {"coordinator_port": free_port(), "group_port": free_port(), "jax_coordinator_port": free_port() if jax else None,
-            "emulation_port": free_port()}
+        return plan.endpoints
+    return plan.endpoints.moved(master_port=free_port(), group_port=free_port(), jax_port=free_port(),
+                                emulation_port=free_port())
 
 
 def _wait_for_slice(plan: LaunchPlan, cluster: ClusterInfo, wait_s: float, sigs: Interrupts, sink: Sink) -> bool:
@@ -233,25 +257,21 @@ def _wait_for_slice(plan: LaunchPlan, cluster: ClusterInfo, wait_s: float, sigs:
     return False
 
 
-def _summary(prep: Prepared, attempts: list[S.Attempt], budget: dict[str, int], note: str | None,
-             interrupted: int | None, wall_s: float, phases: dict[str, float]) -> S.RunSummary:
-    plan = prep.plan
+def _summary(plan: LaunchPlan, attempts: list[Attempt], spent: policy.Spent, note: str | None,
+             interrupted: int | None, wall_s: float, phases: dict[str, float]) -> RunSummary:
     last = attempts[-1] if attempts else None
     if last is None:
-        outcome = S.INTERRUPTED if interrupted else S.FAILED
-        code = S.exit_code_for(outcome, None, interrupted)
+        outcome = Outcome.INTERRUPTED if interrupted else Outcome.FAILED
+        code = exit_code_for(outcome, None, interrupted)
     else:
         outcome, code = last.outcome, last.exit_code
     signum = interrupted or (signal.Signals[last.signal].value if last and last.signal else None)
-    summary = S.RunSummary(
+    return RunSummary(
         run_id=plan.run_id, exit_code=code, emulated=plan.emulated,
         slices=[s.to_dict() for s in plan.slices], mesh=plan.mesh.to_dict(devices=False),
         hosts=last.hosts if last else [], first_failure=last.first_failure if last else None,
-        log_dir=plan.log_dir, wall_s=wall_s, timings={**phases, **(last.timings if last else {})},
-        interrupted=signal.Signals(signum).name if outcome == S.INTERRUPTED and signum else None,
-        outcome=outcome, attempts=[a.to_dict() for a in attempts], restarts=budget["restarts"],
-        preemptions=budget["preemptions"], note=(last.note if last and last.note else note),
+        log_dir=plan.job.log_dir, wall_s=wall_s, timings={**phases, **(last.timings if last else {})},
+        interrupted=signal.Signals(signum).name if outcome is Outcome.INTERRUPTED and signum else None,
+        outcome=outcome, attempts=attempts, restarts=spent.restarts, preemptions=spent.preemptions,
+        note=(last.note if last and last.note else note),
     )
-    (Path(plan.log_dir) / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
-    return summary
-

@@ -1,7 +1,9 @@
-"""Prepare a launch: from the request (flags) to the `LaunchPlan`, starting nothing.
+"""Prepare a launch: from the request (flags) to the `LaunchPlan`, connecting nowhere.
 
-Shared by `tpulaunch run` and `tpulaunch exec`. The CLI builds a `LaunchRequest` from flags,
-calls `prepare()` for the plan (that is all `--dry-run` needs), then `tpulaunch.run.launch()`.
+Shared by `tpulaunch run` and `tpulaunch exec`. The CLI builds a `LaunchRequest` from flags;
+`find_cluster()` says which cluster it goes to (from `--address`, `RAY_ADDRESS` and the local
+record only); the launch step (`run.launch.Connection`) reads what that cluster holds, once; and
+`prepare()` turns the request and those facts into the plan, which is all `--dry-run` prints.
 """
 
 from __future__ import annotations
@@ -11,37 +13,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpulaunch import discover
-from tpulaunch.cluster.connect import connect, disconnect, ray_output_to, resolve_address
+from tpulaunch.cluster.connect import resolve_address
 from tpulaunch.cluster.ports import free_port
-from tpulaunch.cluster.record import ClusterInfo, load_record, state_dir
+from tpulaunch.cluster.record import ClusterInfo, load_record
 from tpulaunch.errors import LaunchError, TpulaunchError
 from tpulaunch.host import frameworks
 from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache, new_run_id, parse_env
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec
 
-
 WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "node_modules"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchRequest:
+    """What `run` / `exec` were asked to do, as given (checked by `prepare`)."""
+
     script: str = ""
-    args: list[str] = field(default_factory=list)
-    command: list[str] = field(default_factory=list)  # exec: a command instead of a script
-    topology: str | None = None
-    accelerator: str | None = None
-    chips_per_host: int | None = None
-    tpu: str | None = None
-    queued_resource: str | None = None
-    zone: str | None = None
-    project: str | None = None
-    force: bool = False
-    num_slices: int | None = None
+    args: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()  # exec: a command instead of a script
+    slices: discover.SliceRequest = field(default_factory=discover.SliceRequest)
     mesh: str | None = None
-    dcn: str | None = None
     framework: str = "auto"
-    env: list[str] = field(default_factory=list)
+    env: tuple[str, ...] = ()
     address: str | None = None
     distributed: bool = True
     log_dir: str = "runs"
@@ -52,7 +46,7 @@ class LaunchRequest:
     ship_workdir: bool = True
     kill_stale: bool = False
     run_id: str | None = None
-    # faults (see tpulaunch.run.launch)
+    # faults (see tpulaunch.run.policy)
     timeout: float | None = None  # wall clock for the whole run
     stall_timeout: float | None = None  # no output or heartbeat from any host for this long
     max_restarts: int = 0  # relaunches after a host failed
@@ -64,23 +58,36 @@ class LaunchRequest:
     keep_cluster: bool = False  # leave an emulated cluster this run starts up for the next runs
     idle_timeout: float = 1800.0  # ... and stop it after this long unused
 
-    def slice_request(self) -> discover.SliceRequest:
-        return discover.SliceRequest(
-            topology=self.topology, accelerator=self.accelerator, chips_per_host=self.chips_per_host, tpu=self.tpu,
-            queued_resource=self.queued_resource, zone=self.zone, project=self.project,
-            num_slices=self.num_slices, dcn=self.dcn, force=self.force,
-        )
 
-
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
     plan: LaunchPlan
     resolved: discover.ResolvedSlices
-    cluster: ClusterInfo | None  # an existing cluster to join (None: start one)
+    cluster: ClusterInfo | None  # an existing cluster to run on (None: start an emulated one)
     framework_reason: str
     request: LaunchRequest
     runtime_env: dict | None  # the working directory Ray ships to every real host (checked for size)
     notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Target:
+    """Which cluster a request goes to, decided from local facts only."""
+
+    cluster: ClusterInfo | None
+    notes: tuple[str, ...] = ()
+
+
+
+def find_cluster(req: LaunchRequest) -> Target:
+    """`--address` / `RAY_ADDRESS` / `auto`, or an emulated cluster of the same slices left up here."""
+    cluster = resolve_address(req.address)
+    if cluster is None and req.address is None:
+        cluster = _warm_cluster_for(req)
+        if cluster is not None:
+            return Target(cluster, (f"running on the emulated cluster already up at {cluster.address}"
+                                    " (`tpulaunch cluster down` stops it)",))
+    return Target(cluster)
 
 
 def _framework(req: LaunchRequest, workdir: Path) -> tuple[str, str]:
@@ -92,12 +99,33 @@ def _framework(req: LaunchRequest, workdir: Path) -> tuple[str, str]:
     return frameworks.detect((workdir / req.script).read_text(errors="replace"))
 
 
-def prepare(req: LaunchRequest) -> Prepared:
-    """Everything up to the LaunchPlan. No host processes; discovery and a Ray query only if asked."""
-    _check_numbers(req)
+def checked_workdir(req: LaunchRequest) -> Path:
+    """The working directory, after checking it exists."""
     workdir = Path(req.workdir).resolve()
     if not workdir.is_dir():
         raise LaunchError(f"working directory {req.workdir} does not exist", "pass an existing --workdir")
+    return workdir
+
+
+def shipped_workdir(req: LaunchRequest) -> dict | None:
+    """The `runtime_env` that ships the working directory to real hosts, after its size check.
+
+    Checked for emulated runs too, before anything starts: a rehearsal refuses what the slice would.
+    """
+    validate(req)
+    if not req.ship_workdir:
+        return None
+    return workdir_runtime_env(str(checked_workdir(req)), req.max_upload_mb)
+
+
+def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | None,
+            runtime_env: dict | None) -> Prepared:
+    """The request, what its cluster holds (`seen`) and the shipped working directory -> the plan.
+
+    Starts and connects nothing (discovery may ask the Cloud TPU API or the metadata server).
+    """
+    validate(req)
+    workdir = checked_workdir(req)
     script = req.script
     if not req.command:
         path = Path(script)
@@ -109,32 +137,22 @@ def prepare(req: LaunchRequest) -> Prepared:
         except ValueError:
             raise LaunchError(f"script {script} is outside the working directory {workdir}",
                               "run from the directory that holds it, or pass --workdir") from None
-    cluster = resolve_address(req.address)
-    notes: list[str] = []
-    if cluster is None and req.address is None:
-        cluster = _warm_cluster_for(req)
-        if cluster is not None:
-            notes.append(f"running on the emulated cluster already up at {cluster.address}"
-                         " (`tpulaunch cluster down` stops it)")
-    resolved = discover.resolve(req.slice_request(), cluster_slices(cluster, req))
+    cluster = target.cluster
+    resolved = discover.resolve(req.slices, seen)
     emulated = resolved.emulated or (cluster is not None and cluster.emulated)
-    # Checked here so an oversized directory is refused before anything starts, emulated too (the
-    # rehearsal refuses what the slice would). Emulated hosts share this filesystem: the script runs
-    # in place, nothing is uploaded (and Ray's package cache cannot remove a directory in use).
-    runtime_env = workdir_runtime_env(str(workdir), req.max_upload_mb) if req.ship_workdir else None
     if emulated:
-        runtime_env = None
+        runtime_env = None  # emulated hosts share this filesystem: the script runs in place
     fw, reason = _framework(req, workdir)
     if not req.command:
         frameworks.require_installed(fw)
-    mesh = plan_mesh(resolved.topology, req.mesh, req.dcn, resolved.num_slices)
+    mesh = plan_mesh(resolved.topology, req.mesh, req.slices.dcn, resolved.num_slices)
     run_id = req.run_id or new_run_id()
     port = req.coordinator_port or (free_port() if emulated else 8476)
-    jax_port = (free_port() if emulated else 8477) if fw == "jax" else None
-    group_port = free_port() if emulated else port + 2  # tpulaunch's own gloo group, apart from MASTER_PORT
     plan = build_plan(
         slices=list(resolved.slices), mesh=mesh, script=script, args=req.args, framework=fw,
-        user_env=parse_env(req.env), run_id=run_id, coordinator_port=port, group_port=group_port, jax_coordinator_port=jax_port,
+        user_env=parse_env(list(req.env)), run_id=run_id, coordinator_port=port,
+        group_port=free_port() if emulated else port + 2,  # tpulaunch's own gloo group, apart from MASTER_PORT
+        jax_coordinator_port=(free_port() if emulated else 8477) if fw == "jax" else None,
         emulated=emulated, emulation_env=frameworks.get(fw).emulation_env(resolved.topology, resolved.num_slices),
         emulation_port=free_port() if emulated else None,
         metadata_server=(resolved.source in ("metadata", "ray")), distributed=req.distributed and not req.command,
@@ -142,26 +160,31 @@ def prepare(req: LaunchRequest) -> Prepared:
         compile_cache=None if (req.no_compile_cache or req.command) else (
             req.compile_cache or default_compile_cache(fw, resolved.topology, resolved.num_slices, emulated)),
     )
-    return Prepared(plan, resolved, cluster, reason, req, runtime_env, (*resolved.notes, *notes))
+    return Prepared(plan, resolved, cluster, reason, req, runtime_env, (*resolved.notes, *target.notes))
+
+
+def recorded_slices(cluster: ClusterInfo) -> discover.ClusterSlices:
+    """The slices of an emulated cluster, as its record lists them."""
+    return discover.ClusterSlices(True, tuple(SliceSpec.from_dict(d) for d in cluster.slices))
 
 
 def _warm_cluster_for(req: LaunchRequest) -> ClusterInfo | None:
     """An emulated cluster tpulaunch left running here (`cluster up`, `run --keep-cluster`) that
     holds exactly the slices asked for: a run with no --address takes it instead of starting one."""
-    if req.tpu or req.queued_resource:
+    if req.slices.tpu or req.slices.queued_resource:
         return None
     rec = load_record()
     if rec is None or not rec.emulated or not rec.running_here:
         return None
     try:
-        discover.resolve(req.slice_request(), cluster_slices(rec, req))
+        discover.resolve(req.slices, recorded_slices(rec))
     except TpulaunchError:
         return None  # another slice: start a cluster of its own
     return rec
 
 
-def _check_numbers(req: LaunchRequest) -> None:
-    """Numeric flags that Typer parses but cannot judge."""
+def validate(req: LaunchRequest) -> None:
+    """Values Typer parses but cannot judge, checked before anything else happens."""
     positive = [("--schedule-timeout", req.schedule_timeout, "seconds"), ("--max-upload-mb", req.max_upload_mb, "MiB"),
                 ("--idle-timeout", req.idle_timeout, "seconds"),
                 ("--timeout", req.timeout, "seconds"), ("--stall-timeout", req.stall_timeout, "seconds")]
@@ -174,25 +197,6 @@ def _check_numbers(req: LaunchRequest) -> None:
             raise LaunchError(f"{flag} {value:g} is negative", "use 0 or more")
     if req.coordinator_port is not None and not 0 < req.coordinator_port < 65536:
         raise LaunchError(f"coordinator port {req.coordinator_port} is not a TCP port", "use 1-65535")
-
-
-def cluster_slices(cluster: ClusterInfo | None, req: LaunchRequest) -> discover.ClusterSlices | None:
-    """What `discover.resolve` needs to know of the cluster: its recorded slices, or Ray's labels."""
-    if cluster is None:
-        return None
-    if cluster.emulated:
-        return discover.ClusterSlices(True, tuple(SliceSpec.from_dict(d) for d in cluster.slices))
-    if req.queued_resource:
-        return discover.ClusterSlices(False)
-    from tpulaunch.discover import ray_labels
-
-    with ray_output_to(state_dir() / "ray-driver.log", True):
-        connect(cluster)
-        try:
-            found = ray_labels.read_slices()
-        finally:
-            disconnect()
-    return discover.ClusterSlices(False, ray_slices=tuple(found))
 
 
 def workdir_runtime_env(workdir: str, max_mb: float) -> dict:

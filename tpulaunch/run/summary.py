@@ -1,4 +1,4 @@
-"""What a run produced: each host's result, each attempt, and which host failed first and why.
+"""What a run produced: each host's result, each attempt, who failed first, and the exit code.
 
 A run is a sequence of attempts of the whole slice. Each attempt has its own logs
 (`runs/<id>/attempt-<k>/host-<i>.log`) and its first failure; `summary.json` lists them.
@@ -7,19 +7,52 @@ Which host failed first matters most when a host dies: its peers error out of th
 within milliseconds and exit too. So the first failure is decided when the attempt is over, from
 when each failing host ended (its own clock) and, for a lost host (node or agent gone), the last
 time the driver heard from it; a lost host is blamed before peers that ended after it went quiet.
+
+Exit codes come from one table (`exit_code_for`), the README's.
 """
 
 from __future__ import annotations
 
 import signal
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 
 from tpulaunch.errors import ExitCode
 
-# Outcomes of an attempt, and the exit code each ends a run with (a failure: the host's own code).
-OK, FAILED, LOST, PREEMPTED, TIMEOUT, STALLED, INTERRUPTED = (
-    "ok", "failed", "lost", "preempted", "timeout", "stalled", "interrupted")
-NEVER_RETRIED = (ExitCode.USAGE, ExitCode.BOOT_FAILED)  # and TPU_BUSY without --kill-stale
+
+class Outcome(str, Enum):
+    """How an attempt (and so a run) ended."""
+
+    OK = "ok"
+    FAILED = "failed"  # a host's process exited non-zero (or was killed by a signal)
+    LOST = "lost"  # a host's node or agent died, or the Ray head went away
+    PREEMPTED = "preempted"  # a host was told it is going away (GCE notice, SIGTERM to its agent)
+    TIMEOUT = "timeout"  # --timeout
+    STALLED = "stalled"  # --stall-timeout
+    INTERRUPTED = "interrupted"  # SIGINT / SIGTERM to tpulaunch
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Cause(str, Enum):
+    """Why one host ended (the reason line says it in words)."""
+
+    EXITED = "exited"  # its process ended by itself: `exit N` or `killed by signal N`
+    STOPPED = "stopped"  # tpulaunch stopped it (fail fast, a timeout, a signal)
+    PREEMPTED = "preempted"
+    NODE_LOST = "node-lost"
+    AGENT_DIED = "agent-died"
+    UNREACHABLE = "unreachable"  # its agent answered no poll for too long
+    HEAD_LOST = "head-lost"  # the Ray head went away with this host's node (worker 0)
+    NOT_STARTED = "not-started"  # it never started (refused: a busy TPU, a command not found)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Exits no restart can mend: bad input, a framework that cannot boot, a busy TPU (without --kill-stale).
+NEVER_RETRIED = (ExitCode.USAGE, ExitCode.BOOT_FAILED)
 
 
 def exit_reason(code: int) -> str:
@@ -35,6 +68,8 @@ def exit_reason(code: int) -> str:
 
 @dataclass
 class HostResult:
+    """One host in one attempt (filled in while the attempt runs)."""
+
     process_index: int
     slice_index: int
     worker_id: int
@@ -50,16 +85,22 @@ class HostResult:
     ended_at: float | None = None  # when the host process ended (its host's clock)
     last_seen: float | None = None  # when the driver last heard from it (driver clock)
     phases: dict = field(default_factory=dict)  # import_s, boot_s, mesh_s (from the host's bootstrap)
+    cause: Cause | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Counts as a failure of the attempt (not: exited 0, or stopped by tpulaunch after another failed)."""
+        return self.lost or bool(self.preempted) or (self.exit_code not in (None, 0) and not self.stopped_by_tpulaunch)
 
 
 @dataclass
 class Attempt:
     index: int
-    outcome: str  # one of OK, FAILED, LOST, PREEMPTED, TIMEOUT, STALLED, INTERRUPTED
+    outcome: Outcome
     exit_code: int
     hosts: list[HostResult]
     log_dir: str
-    first_failure: dict | None = None
+    first_failure: HostResult | None = None
     note: str | None = None  # the one line that says what happened (timeouts: who was stuck where)
     wall_s: float = 0.0
     timings: dict = field(default_factory=dict)
@@ -77,13 +118,13 @@ class RunSummary:
     slices: list[dict]
     mesh: dict
     hosts: list[HostResult]  # the last attempt's
-    first_failure: dict | None  # the last attempt's (what decided the exit code)
+    first_failure: HostResult | None  # the last attempt's (what decided the exit code)
     log_dir: str
     wall_s: float
     timings: dict = field(default_factory=dict)
     interrupted: str | None = None
-    outcome: str = OK
-    attempts: list[dict] = field(default_factory=list)
+    outcome: Outcome = Outcome.OK
+    attempts: list[Attempt] = field(default_factory=list)
     restarts: int = 0
     preemptions: int = 0
     note: str | None = None
@@ -99,26 +140,28 @@ def first_failure(hosts: list[HostResult]) -> HostResult | None:
     def when(h: HostResult) -> float:
         return (h.last_seen if h.lost else h.ended_at) or float("inf")
 
-    failed = [h for h in hosts if h.lost or h.preempted or (
-        h.exit_code not in (None, 0) and not h.stopped_by_tpulaunch)]
+    failed = [h for h in hosts if h.failed]
     return min(failed, key=lambda h: (when(h), not h.lost, h.process_index)) if failed else None
 
 
-def outcome_of(h: HostResult | None) -> str:
+def outcome_of(h: HostResult | None) -> Outcome:
     if h is None:
-        return OK
+        return Outcome.OK
     if h.preempted:
-        return PREEMPTED
-    return LOST if h.lost else FAILED
+        return Outcome.PREEMPTED
+    return Outcome.LOST if h.lost else Outcome.FAILED
 
 
-def exit_code_for(outcome: str, first: HostResult | None, signum: int | None = None) -> int:
-    if outcome == OK:
-        return 0
-    if outcome in (LOST, PREEMPTED):
-        return ExitCode.HOST_LOST
-    if outcome in (TIMEOUT, STALLED):
-        return ExitCode.TIMEOUT
-    if outcome == INTERRUPTED:
+def exit_code_for(outcome: Outcome, first: HostResult | None, signum: int | None = None) -> int:
+    """The exit code a run ends with (the README's table): a failure ends with its host's code."""
+    if outcome is Outcome.FAILED:
+        return first.exit_code if first and first.exit_code else 1
+    if outcome is Outcome.INTERRUPTED:
         return ExitCode.INTERRUPTED if signum == signal.SIGINT else ExitCode.TERMINATED
-    return (first.exit_code if first and first.exit_code else 1)
+    return {
+        Outcome.OK: ExitCode.OK,
+        Outcome.LOST: ExitCode.HOST_LOST,
+        Outcome.PREEMPTED: ExitCode.HOST_LOST,
+        Outcome.TIMEOUT: ExitCode.TIMEOUT,
+        Outcome.STALLED: ExitCode.TIMEOUT,
+    }[outcome]

@@ -30,7 +30,7 @@ def prewarm_cluster(info: ClusterInfo, framework: str = "torch_xla", timeout_s: 
     import ray
 
     try:
-        refs = [agent_for(h.slice_name, h.worker_id).prewarm.remote(framework, h.env) for h in plan.hosts]
+        refs = [agent_for(h.slice_name, h.worker_id).prewarm.remote(state) for h, state in zip(plan.hosts, plan.states())]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     finally:
         disconnect()

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 _ADAPTERS = {
     "torch_xla": "tpulaunch.host.frameworks.torch_xla",
     "jax": "tpulaunch.host.frameworks.jax",
+    "none": "tpulaunch.host.frameworks.none",
 }
 
 
@@ -58,7 +59,7 @@ def get(name: str) -> Framework:
 def require_installed(name: str) -> None:
     """Fail early and clearly on the driver when the framework is not importable."""
     fw = get(name)
-    if importlib.util.find_spec(fw.import_name) is None:
+    if fw.import_name and importlib.util.find_spec(fw.import_name) is None:
         raise LaunchError(
             f"--framework {name} needs {fw.import_name}, which is not installed",
             f"pip install 'tpulaunch[{fw.extra}]'",

@@ -22,6 +22,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from tpulaunch import settings
 from tpulaunch.errors import LaunchError, MeshMismatchError
 
 if TYPE_CHECKING:
@@ -51,8 +52,8 @@ class Jax:
     def boot(self, state: "HostState") -> None:
         import jax
 
-        if state.compile_cache:
-            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(state.compile_cache))
+        if state.job.compile_cache:
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(state.job.compile_cache))
             if state.emulated:  # CPU compilations are quick; cache them anyway
                 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
@@ -60,10 +61,10 @@ class Jax:
             # only affects the host CPU backend. Must be set before the backends start.
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if state.num_processes > 1:
-            address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+            address = state.endpoints.jax_address
             if not address:
                 raise LaunchError(
-                    "JAX_COORDINATOR_ADDRESS is not set on this host",
+                    "this launch planned no JAX coordinator",
                     "launch JAX scripts with --framework jax (or auto), which plans the JAX coordinator",
                 )
             jax.distributed.initialize(
@@ -71,8 +72,8 @@ class Jax:
                 num_processes=state.num_processes,
                 process_id=state.process_index,
                 cluster_detection_method="deactivate",  # every value is explicit; detect nothing
-                initialization_timeout=int(_env_float("TPULAUNCH_JAX_INIT_TIMEOUT",
-                                                      _env_float("TPULAUNCH_DIST_TIMEOUT", 300))),
+                initialization_timeout=int(settings.seconds("TPULAUNCH_JAX_INIT_TIMEOUT",
+                                                            settings.seconds("TPULAUNCH_DIST_TIMEOUT", 300))),
             )
             self._initialized = True
             _adopt_user_initialize(self, state)
@@ -111,7 +112,7 @@ class Jax:
         if not self._initialized:
             return
         self._initialized = False
-        timeout = _env_float("TPULAUNCH_JAX_SHUTDOWN_TIMEOUT", 30.0)
+        timeout = settings.seconds("TPULAUNCH_JAX_SHUTDOWN_TIMEOUT", 30.0)
 
         def _shutdown() -> None:
             try:
@@ -173,13 +174,6 @@ def _adopt_user_initialize(adapter: "Jax", state: "HostState") -> None:
 
     jax.distributed.initialize = initialize
     jax.distributed.shutdown = shutdown
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 def device_attributes(device: Any) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
-import os
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -35,7 +34,10 @@ _OURS: dict[str, Any] = {"group": lambda: None, "rank": None, "world": None}
 
 
 def dist_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("TPULAUNCH_DIST_TIMEOUT", "300")))
+    """How long a collective may wait for the other hosts (`TPULAUNCH_DIST_TIMEOUT`, 300 s)."""
+    from tpulaunch import settings
+
+    return datetime.timedelta(seconds=settings.seconds("TPULAUNCH_DIST_TIMEOUT", 300.0))
 
 
 def init_slice_group(state: "HostState") -> None:
@@ -44,7 +46,7 @@ def init_slice_group(state: "HostState") -> None:
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://{state.group_address}",
+        init_method=f"tcp://{state.endpoints.group_address}",
         rank=state.process_index,
         world_size=state.num_processes,
         timeout=dist_timeout(),

@@ -49,10 +49,10 @@ class TorchXLA:
         xr.use_spmd()
         xr.use_spmd = _spmd_already_on(xr.use_spmd)
         _save_each_local_shard_once()
-        if state.compile_cache:
+        if state.job.compile_cache:
             # Only when asked for (`--compile-cache DIR`): torch_xla 2.9 cannot load what it caches
             # (pytorch/xla#9094), so there is no default; a fixed torch_xla gets it from the flag.
-            path = os.path.expanduser(state.compile_cache)
+            path = os.path.expanduser(state.job.compile_cache)
             os.makedirs(path, exist_ok=True)
             xr.initialize_cache(path)
         if state.emulated:
@@ -66,7 +66,7 @@ class TorchXLA:
                 f" but tpulaunch launched process {state.process_index} of {state.num_processes}",
                 "the slice tpulaunch planned is not the slice libtpu sees; check --tpu/--topology",
             )
-        if state.distributed:
+        if state.job.distributed:
             torch_dist.init_slice_group(state)
 
     def build_mesh(self, plan: "MeshPlan", state: "HostState") -> Any:

@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from tpulaunch.plan.launch import HostState
-
-EMULATION_PORT_ENV = "TPULAUNCH_EMULATION_PORT"
 
 
 def _answer(original: Callable[..., Any], value: Any) -> Callable[..., Any]:
@@ -48,7 +45,7 @@ def install(state: "HostState") -> None:
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
-    coordinator_host = state.coordinator_address.rsplit(":", 1)[0]
+    coordinator_host = state.endpoints.host
     answers = {
         "process_index": state.process_index,
         "process_count": state.num_processes,
@@ -78,9 +75,10 @@ class _MinibatchGather:
 
             from tpulaunch.host.frameworks.torch_dist import dist_timeout
 
-            host = self.state.coordinator_address.rsplit(":", 1)[0]
-            port = int(os.environ[EMULATION_PORT_ENV])
-            store = dist.TCPStore(host, port, self.state.num_processes, self.state.process_index == 0,
+            ends = self.state.endpoints
+            if ends.emulation_port is None:
+                raise RuntimeError("tpulaunch planned no store for the emulated hosts' per-host input")
+            store = dist.TCPStore(ends.host, ends.emulation_port, self.state.num_processes, self.state.process_index == 0,
                                   timeout=dist_timeout())
             self._group = dist.ProcessGroupGloo(dist.PrefixStore("tpulaunch-minibatch", store),
                                                 self.state.process_index, self.state.num_processes,

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import cli_env, last_summary, processes_mentioning, run_cli, write_scripts
+from support import cli_env, last_summary, processes_mentioning, run_cli, write_scripts
 
 HELLO = """
     import argparse

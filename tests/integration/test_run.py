@@ -7,7 +7,6 @@ Most tests share one warm emulated 2x8 cluster (`tpulaunch cluster up`), as user
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, last_summary, processes_mentioning, run_cli, write_scripts
+from support import REPO, cli_env, last_summary, processes_mentioning, run_cli, write_scripts
 
 SCRIPTS = {
     "allreduce.py": """
@@ -43,92 +42,6 @@ SCRIPTS = {
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory) -> Path:
     return write_scripts(tmp_path_factory.mktemp("work"), SCRIPTS)
-
-
-def test_dry_run_json_lists_every_host_env(workdir):
-    proc = run_cli("run", "allreduce.py", "--topology", "2x8", "--dry-run", "--json", cwd=workdir)
-    assert proc.returncode == 0, proc.stderr
-    plan = json.loads(proc.stdout)
-    assert plan["emulated"] is True
-    assert plan["framework"] == "torch_xla"
-    assert plan["mesh"]["axis_names"] == ["data", "model"] and plan["mesh"]["shape"] == [4, 4]
-    hosts = plan["hosts"]
-    assert [h["process_index"] for h in hosts] == [0, 1, 2, 3]
-    port = plan["coordinator_address"].rsplit(":", 1)[1]
-    assert plan["coordinator_address"] == f"127.0.0.1:{port}"
-    for i, h in enumerate(hosts):
-        env = h["env"]
-        assert h["worker_id"] == i and h["slice_index"] == 0
-        assert env["TPU_WORKER_ID"] == str(i)
-        assert env["TPULAUNCH_PROCESS_INDEX"] == str(i) and env["RANK"] == str(i)
-        assert env["WORLD_SIZE"] == "4" and env["TPULAUNCH_NUM_PROCESSES"] == "4"
-        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == port
-        assert env["TPULAUNCH_COORDINATOR_ADDRESS"] == plan["coordinator_address"]
-        assert env["TPU_WORKER_HOSTNAMES"] == "127.0.0.1,127.0.0.1,127.0.0.1,127.0.0.1"
-        assert env["TPU_ACCELERATOR_TYPE"] == "v6e-16"
-        assert env["TPU_TOPOLOGY"] == "2x8"
-        assert env["TPU_HOST_BOUNDS"] == "1,4,1" and env["TPU_CHIPS_PER_HOST_BOUNDS"] == "2,2,1"
-        assert env["TPU_SKIP_MDS_QUERY"] == "1"
-        assert env["PJRT_DEVICE"] == "CPU" and env["CPU_NUM_DEVICES"] == "16"
-        assert env["TPULAUNCH_EMULATED"] == "1"
-        assert not any(k.startswith("MEGASCALE_") for k in env), "single slice must not get MEGASCALE_*"
-
-
-def test_dry_run_multislice_megascale(workdir):
-    proc = run_cli("run", "allreduce.py", "--topology", "2x2x2", "--accelerator", "v4", "--num-slices", "2",
-                   "--dry-run", "--json", cwd=workdir)
-    assert proc.returncode == 0, proc.stderr
-    plan = json.loads(proc.stdout)
-    hosts = plan["hosts"]
-    assert [h["process_index"] for h in hosts] == [0, 1, 2, 3]
-    assert [h["slice_index"] for h in hosts] == [0, 0, 1, 1]
-    assert [h["env"]["MEGASCALE_SLICE_ID"] for h in hosts] == ["0", "0", "1", "1"]
-    assert {h["env"]["MEGASCALE_NUM_SLICES"] for h in hosts} == {"2"}
-    assert {h["env"]["MEGASCALE_COORDINATOR_ADDRESS"] for h in hosts} == {"127.0.0.1"}
-    assert {h["env"]["MEGASCALE_PORT"] for h in hosts} == {"8081"}
-    assert [h["env"]["TPU_WORKER_ID"] for h in hosts] == ["0", "1", "0", "1"]
-    assert plan["mesh"]["dcn_shape"] == [2, 1] and plan["mesh"]["shape"] == [4, 4]
-
-
-def test_dry_run_env_and_args(workdir):
-    proc = run_cli("run", "args.py", "--topology", "2x8", "--env", "MY_FLAG=on", "--dry-run", "--json",
-                   "--", "--lr", "0.1", cwd=workdir)
-    assert proc.returncode == 0, proc.stderr
-    plan = json.loads(proc.stdout)
-    assert plan["args"] == ["--lr", "0.1"]
-    assert all(h["env"]["MY_FLAG"] == "on" for h in plan["hosts"])
-
-
-@pytest.mark.parametrize(
-    "args, needle",
-    [
-        (["missing.py", "--topology", "2x8"], "script missing.py not found"),
-        (["allreduce.py", "--topology", "2x3"], "2x3 is not a valid v6e slice"),
-        (["allreduce.py", "--topology", "2x8", "--env", "NOEQUALS"], "--env 'NOEQUALS' is not KEY=VALUE"),
-        (["allreduce.py", "--topology", "2x8", "--mesh", "data=3,model=4"], "has 12 positions"),
-        (["allreduce.py", "--topology", "2x8", "--framework", "tensorflow"], "unknown framework 'tensorflow'"),
-    ],
-)
-def test_bad_input_is_one_line_exit_2(workdir, args, needle):
-    proc = run_cli("run", *args, "--dry-run", cwd=workdir)
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and needle in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-def test_address_auto_without_cluster_fails_clearly(workdir, tmp_path):
-    env = cli_env(TPULAUNCH_HOME=str(tmp_path))
-    proc = run_cli("run", "allreduce.py", "--topology", "2x8", "--address", "auto", cwd=workdir, env=env)
-    assert proc.returncode == 5
-    assert "found no running cluster" in proc.stderr and "tpulaunch cluster up" in proc.stderr
-
-
-def test_get_mesh_outside_a_launch_is_a_clear_error():
-    proc = subprocess.run([sys.executable, "-c", "import tpulaunch; tpulaunch.get_mesh()"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 1
-    assert "not running under tpulaunch" in proc.stderr
 
 
 # -- on the shared warm cluster -----------------------------------------------------------------
@@ -246,16 +159,3 @@ def test_emulated_multislice_trains(tmp_path):
         assert len(losses) >= 3 and losses[-1] < losses[0], (h["process_index"], losses)
 
 
-def test_oversized_working_directory_is_refused_before_anything_starts(workdir, tmp_path):
-    big = tmp_path / "big"
-    big.mkdir()
-    (big / "allreduce.py").write_text((workdir / "allreduce.py").read_text())
-    (big / "data.bin").write_bytes(b"\0" * (3 * 1024 * 1024))
-    (big / ".git").mkdir()
-    (big / ".git" / "pack").write_bytes(b"\0" * (8 * 1024 * 1024))  # excluded: does not count
-    ok = run_cli("run", "allreduce.py", "--topology", "2x8", "--max-upload-mb", "4", "--dry-run", cwd=big)
-    assert ok.returncode == 0, ok.stderr
-    proc = run_cli("run", "allreduce.py", "--topology", "2x8", "--max-upload-mb", "2", cwd=big)
-    assert proc.returncode == 2
-    assert "is 3.0 MiB, over the 2 MiB limit" in proc.stderr and "--max-upload-mb" in proc.stderr
-    assert "starting an emulated Ray cluster" not in proc.stderr

@@ -7,12 +7,8 @@ import time
 
 import pytest
 
-try:
-    from tests.fakes import closed_port, cli_env, flat, run_cli
-    from tests.fakes.tpu_api_server import FakeTpuApi, standard_nodes, standard_queued_resources
-except ImportError:  # tests/ on sys.path instead of the repo root
-    from fakes import closed_port, cli_env, flat, run_cli
-    from fakes.tpu_api_server import FakeTpuApi, standard_nodes, standard_queued_resources
+from fakes import closed_port, cli_env, flat, invoke
+from fakes.tpu_api_server import FakeTpuApi, standard_nodes, standard_queued_resources
 
 from tpulaunch.errors import ExitCode
 
@@ -34,7 +30,7 @@ def env(api, tmp_path):
 
 
 def test_describe_v4_json(api, env):
-    proc = run_cli("slice", "describe", "my-v4", *C2, "--json", env=env)
+    proc = invoke("slice", "describe", "my-v4", *C2, "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # exactly one JSON document on stdout
     assert doc["generation"] == "v4"
@@ -53,7 +49,7 @@ def test_describe_v4_json(api, env):
 
 
 def test_describe_404_lists_existing_nodes(env):
-    proc = run_cli("slice", "describe", "my-v44", *C2, env=env)
+    proc = invoke("slice", "describe", "my-v44", *C2, env=env)
     assert proc.returncode == ExitCode.DISCOVERY == 3
     err = flat(proc.stderr)
     assert "TPU node 'my-v44' not found in zone us-central2-b of project p" in err
@@ -63,7 +59,7 @@ def test_describe_404_lists_existing_nodes(env):
 
 def test_describe_unreachable_ends_within_timeout(tmp_path):
     env = cli_env(tmp_path / "home", TPULAUNCH_TPU_API_ENDPOINT=f"http://127.0.0.1:{closed_port()}")
-    proc = run_cli("slice", "describe", "my-v4", *C2, env=env)
+    proc = invoke("slice", "describe", "my-v4", *C2, env=env)
     assert proc.returncode == 3
     assert "could not reach the Cloud TPU API" in flat(proc.stderr) and "connection refused" in flat(proc.stderr)
 
@@ -78,7 +74,7 @@ def test_describe_slow_api_ends_within_timeout(tmp_path, how):
         else:
             env["TPULAUNCH_API_TIMEOUT"] = "2"
         start = time.monotonic()
-        proc = run_cli(*args, env=env, timeout=60)
+        proc = invoke(*args, env=env, timeout=60)
         elapsed = time.monotonic() - start
     assert proc.returncode == ExitCode.DISCOVERY
     assert "did not answer within 2 s" in flat(proc.stderr)
@@ -90,7 +86,7 @@ def test_describe_slow_api_ends_within_timeout(tmp_path, how):
 
 def test_describe_403_names_permission(api, env):
     api.mode = "forbidden"
-    proc = run_cli("slice", "describe", "my-v4", *C2, env=env)
+    proc = invoke("slice", "describe", "my-v4", *C2, env=env)
     assert proc.returncode == 3
     err = flat(proc.stderr)
     assert "permission denied" in err and "tpu.nodes.get" in err and "tpu.googleapis.com" in err
@@ -98,7 +94,7 @@ def test_describe_403_names_permission(api, env):
 
 def test_list_403_names_list_permission(api, env):
     api.mode = "forbidden"
-    proc = run_cli("slice", "list", *C2, env=env)
+    proc = invoke("slice", "list", *C2, env=env)
     assert proc.returncode == 3 and "tpu.nodes.list" in flat(proc.stderr)
 
 
@@ -109,7 +105,7 @@ def test_credentials_missing_for_a_real_endpoint(tmp_path):
         GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "missing.json"),
         GCE_METADATA_HOST=f"127.0.0.1:{closed_port()}",
     )
-    proc = run_cli("slice", "describe", "my-v4", *C2, env=env, timeout=60)
+    proc = invoke("slice", "describe", "my-v4", *C2, env=env, timeout=60)
     assert proc.returncode == 3
     assert "no Google Cloud credentials found" in flat(proc.stderr)
     assert "gcloud auth application-default login" in flat(proc.stderr)
@@ -118,25 +114,25 @@ def test_credentials_missing_for_a_real_endpoint(tmp_path):
 def test_no_adc_at_all(tmp_path):
     # Default endpoint, empty HOME (no ADC file), no gcloud, GCE check off: google.auth.default() fails.
     env = cli_env(tmp_path / "home", GCE_METADATA_HOST=f"127.0.0.1:{closed_port()}")
-    proc = run_cli("slice", "describe", "my-v4", *C2, env=env, timeout=60)
+    proc = invoke("slice", "describe", "my-v4", *C2, env=env, timeout=60)
     assert proc.returncode == 3
     assert "gcloud auth application-default login" in flat(proc.stderr)
     assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr  # one message, no traceback
 
 
 def test_not_ready_exits_4_and_force_goes_on(env):
-    proc = run_cli("slice", "describe", "v4-creating", *C2, env=env)
+    proc = invoke("slice", "describe", "v4-creating", *C2, env=env)
     assert proc.returncode == ExitCode.NOT_READY == 4
     assert "state: CREATING" in proc.stdout.splitlines()
     assert "state is CREATING, not READY" in flat(proc.stderr) and "--force" in flat(proc.stderr)
-    forced = run_cli("slice", "describe", "v4-creating", *C2, "--force", env=env)
+    forced = invoke("slice", "describe", "v4-creating", *C2, "--force", env=env)
     assert forced.returncode == 0
     assert "state: CREATING" in forced.stdout.splitlines()
     assert "warning:" in forced.stderr and "CREATING" in forced.stderr
 
 
 def test_unhealthy_with_symptoms(env):
-    proc = run_cli("slice", "describe", "v4-sick", *C2, "--json", env=env)
+    proc = invoke("slice", "describe", "v4-sick", *C2, "--json", env=env)
     assert proc.returncode == 4
     doc = json.loads(proc.stdout)  # still described, for scripts
     assert doc["health"] == "UNHEALTHY_TENSORFLOW" and doc["ready"] is False
@@ -145,14 +141,14 @@ def test_unhealthy_with_symptoms(env):
 
 
 def test_missing_project_and_zone(env):
-    proc = run_cli("slice", "describe", "my-v4", env=env)
+    proc = invoke("slice", "describe", "my-v4", env=env)
     assert proc.returncode == 3
     err = flat(proc.stderr)
     assert "no project or zone" in err and "--project" in err and "--zone" in err
 
 
 def test_name_and_queued_resource_together_is_usage_error(env):
-    proc = run_cli("slice", "describe", "my-v4", "--queued-resource", "ms-qr", *C2, env=env)
+    proc = invoke("slice", "describe", "my-v4", "--queued-resource", "ms-qr", *C2, env=env)
     assert proc.returncode == ExitCode.USAGE
 
 
@@ -169,7 +165,7 @@ def test_name_and_queued_resource_together_is_usage_error(env):
     ],
 )
 def test_describe_other_generations(env, name, zone, acc, topology, gen, hosts):
-    proc = run_cli("slice", "describe", name, "--zone", zone, "--project", "p", "--json", env=env)
+    proc = invoke("slice", "describe", name, "--zone", zone, "--project", "p", "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert (doc["accelerator_type"], doc["topology"], doc["generation"], doc["hosts"]) == (acc, topology, gen, hosts)
@@ -177,7 +173,7 @@ def test_describe_other_generations(env, name, zone, acc, topology, gen, hosts):
 
 
 def test_describe_plain_lines(env):
-    proc = run_cli("slice", "describe", "my-v4", *C2, env=env)
+    proc = invoke("slice", "describe", "my-v4", *C2, env=env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     for expected in (
@@ -190,14 +186,14 @@ def test_describe_plain_lines(env):
 
 
 def test_unknown_enum_number_is_shown_not_crashed(env):
-    proc = run_cli("slice", "describe", "v7x-intonly", "--zone", "us-central1-c", "--project", "p", "--json", env=env)
+    proc = invoke("slice", "describe", "v7x-intonly", "--zone", "us-central1-c", "--project", "p", "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert "12" in doc["accelerator_type"] and "topology_error" in doc and "mesh" not in doc
 
 
 def test_queued_resource_multislice(env):
-    proc = run_cli("slice", "describe", "--queued-resource", "ms-qr", *C2, "--json", env=env)
+    proc = invoke("slice", "describe", "--queued-resource", "ms-qr", *C2, "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["queued_resource_state"] == "ACTIVE"
@@ -207,7 +203,7 @@ def test_queued_resource_multislice(env):
 
 
 def test_queued_resource_waiting_exits_4(env):
-    proc = run_cli("slice", "describe", "--queued-resource", "waiting-qr", *C2, env=env)
+    proc = invoke("slice", "describe", "--queued-resource", "waiting-qr", *C2, env=env)
     assert proc.returncode == 4 and "WAITING_FOR_RESOURCES" in flat(proc.stderr)
 
 
@@ -216,32 +212,18 @@ def test_queued_resource_waiting_exits_4(env):
 
 def test_project_zone_from_env(env):
     env.update(GOOGLE_CLOUD_PROJECT="p", CLOUDSDK_COMPUTE_ZONE="us-central2-b")
-    proc = run_cli("slice", "describe", "my-v4", env=env)
+    proc = invoke("slice", "describe", "my-v4", env=env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "project: p (from env GOOGLE_CLOUD_PROJECT)" in lines
     assert "zone: us-central2-b (from env CLOUDSDK_COMPUTE_ZONE)" in lines
 
 
-def test_project_zone_from_fake_gcloud(api, tmp_path):
-    log = tmp_path / "gcloud.jsonl"
-    env = cli_env(
-        tmp_path / "home", gcloud=True, TPULAUNCH_TPU_API_ENDPOINT=api.url,
-        FAKE_GCLOUD_PROJECT="p", FAKE_GCLOUD_ZONE="us-central2-b", FAKE_GCLOUD_LOG=str(log),
-    )
-    proc = run_cli("slice", "describe", "my-v4", "--json", env=env)
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout)
-    assert doc["provenance"] == {"project": "gcloud config project", "zone": "gcloud config compute/zone"}
-    calls = [json.loads(line)["argv"] for line in log.read_text().splitlines()]
-    assert calls == [["config", "get-value", "project"], ["config", "get-value", "compute/zone"]]
-
-
 # -- list ---------------------------------------------------------------------------------------
 
 
 def test_list_pages_through_a_busy_zone(api, env):
-    proc = run_cli("slice", "list", "--zone", "us-east1-d", "--project", "p", env=env)
+    proc = invoke("slice", "list", "--zone", "us-east1-d", "--project", "p", env=env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["NAME", "TYPE", "TOPOLOGY", "STATE", "HEALTH", "WORKERS", "SPOT"]
@@ -251,7 +233,7 @@ def test_list_pages_through_a_busy_zone(api, env):
 
 
 def test_list_every_zone_shows_the_zone(env):
-    proc = run_cli("slice", "list", "--zone", "-", "--project", "p", env=env)
+    proc = invoke("slice", "list", "--zone", "-", "--project", "p", env=env)
     assert proc.returncode == 0, proc.stderr
     rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines()[1:]}
     assert rows["my-v5e"][:3] == ["my-v5e", "us-west4-a", "v5litepod-16"]
@@ -260,7 +242,7 @@ def test_list_every_zone_shows_the_zone(env):
 
 
 def test_list_json(env):
-    proc = run_cli("slice", "list", *C2, "--json", env=env)
+    proc = invoke("slice", "list", *C2, "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert (doc["project"], doc["zone"]) == ("p", "us-central2-b")
@@ -271,21 +253,21 @@ def test_list_json(env):
 
 
 def test_list_empty_zone(env):
-    proc = run_cli("slice", "list", "--zone", "asia-east1-c", "--project", "p", env=env)
+    proc = invoke("slice", "list", "--zone", "asia-east1-c", "--project", "p", env=env)
     assert proc.returncode == 0
     assert proc.stdout == "" and "no TPU nodes in zone asia-east1-c of project p" in flat(proc.stderr)
 
 
 def test_slice_help_lists_commands(tmp_path):
-    proc = run_cli("slice", "--help", env=cli_env(tmp_path / "home"))
+    proc = invoke("slice", "--help", env=cli_env(tmp_path / "home"))
     assert proc.returncode == 0
     assert "describe" in proc.stdout and "list" in proc.stdout
 
 
 def test_rich_rendering_on_a_terminal(env):
     env["FORCE_COLOR"] = "1"  # rich treats stdout as a terminal: tables instead of key: value lines
-    proc = run_cli("slice", "describe", "my-v4", *C2, env=env)
+    proc = invoke("slice", "describe", "my-v4", *C2, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "internal IP" in proc.stdout and "10.130.0.5" in proc.stdout and "name: my-v4" not in proc.stdout
-    listed = run_cli("slice", "list", *C2, env=env)
+    listed = invoke("slice", "list", *C2, env=env)
     assert listed.returncode == 0 and "TOPOLOGY" in listed.stdout and "v4-creating" in listed.stdout

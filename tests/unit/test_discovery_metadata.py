@@ -10,14 +10,9 @@ import urllib.request
 
 import pytest
 
-try:
-    from tests.fakes import closed_port, cli_env, flat, run_cli
-    from tests.fakes.metadata_server import FakeMetadataServer, tpu_env_text
-    from tests.fakes.tpu_api_server import FakeTpuApi
-except ImportError:  # tests/ on sys.path instead of the repo root
-    from fakes import closed_port, cli_env, flat, run_cli
-    from fakes.metadata_server import FakeMetadataServer, tpu_env_text
-    from fakes.tpu_api_server import FakeTpuApi
+from fakes import closed_port, cli_env, flat, invoke
+from fakes.metadata_server import FakeMetadataServer, tpu_env_text
+from fakes.tpu_api_server import FakeTpuApi
 
 from tpulaunch import discover as discovery
 from tpulaunch.discover import metadata
@@ -214,7 +209,7 @@ def test_fake_refuses_requests_without_the_flavor_header(md):
 
 def test_cli_describe_with_no_arguments_describes_this_slice(md, tmp_path):
     env = cli_env(tmp_path / "home", TPULAUNCH_METADATA_HOST=md.host)
-    proc = run_cli("slice", "describe", env=env)
+    proc = invoke("slice", "describe", env=env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "name: my-v4" in lines and "source: metadata" in lines and "topology: 2x2x4 (from tpu-env TOPOLOGY)" in lines
@@ -222,7 +217,7 @@ def test_cli_describe_with_no_arguments_describes_this_slice(md, tmp_path):
     assert "worker 1: 10.130.0.3 hostname t1v-n-my-v4-w-1 (this host)" in lines
     assert "worker 3: 10.130.0.5 hostname t1v-n-my-v4-w-3" in lines
 
-    doc = json.loads(run_cli("slice", "describe", "--json", env=env).stdout)
+    doc = json.loads(invoke("slice", "describe", "--json", env=env).stdout)
     assert doc["source"] == "metadata" and doc["this_worker"] == 1 and doc["generation"] == "v4"
     assert [w["ip"] for w in doc["workers"]] == ["10.130.0.2", "10.130.0.3", "10.130.0.4", "10.130.0.5"]
     assert doc["hosts"] == 4 and doc["project"] == "p" and doc["zone"] == "us-central2-b"
@@ -230,7 +225,7 @@ def test_cli_describe_with_no_arguments_describes_this_slice(md, tmp_path):
 
 def test_cli_metadata_unreachable(tmp_path):
     env = cli_env(tmp_path / "home", TPULAUNCH_METADATA_HOST=f"127.0.0.1:{closed_port()}")
-    proc = run_cli("slice", "describe", env=env)
+    proc = invoke("slice", "describe", env=env)
     assert proc.returncode == ExitCode.DISCOVERY
     assert "metadata server unreachable" in flat(proc.stderr)
     assert proc.stdout == ""
@@ -238,7 +233,7 @@ def test_cli_metadata_unreachable(tmp_path):
 
 def test_cli_metadata_malformed(md, tmp_path):
     md.values["instance/attributes/worker-network-endpoints"] = "garbage:entry"
-    proc = run_cli("slice", "describe", env=cli_env(tmp_path / "home", TPULAUNCH_METADATA_HOST=md.host))
+    proc = invoke("slice", "describe", env=cli_env(tmp_path / "home", TPULAUNCH_METADATA_HOST=md.host))
     assert proc.returncode == 3
     assert "worker-network-endpoints" in flat(proc.stderr) and "'garbage:entry'" in flat(proc.stderr)
 
@@ -246,8 +241,8 @@ def test_cli_metadata_malformed(md, tmp_path):
 def test_cli_preempted_vm_exits_4_unless_forced(tmp_path):
     with FakeMetadataServer.for_slice(preempted=True) as server:
         env = cli_env(tmp_path / "home", TPULAUNCH_METADATA_HOST=server.host)
-        proc = run_cli("slice", "describe", env=env)
-        forced = run_cli("slice", "describe", "--force", env=env)
+        proc = invoke("slice", "describe", env=env)
+        forced = invoke("slice", "describe", "--force", env=env)
     assert proc.returncode == ExitCode.NOT_READY
     assert "state: PREEMPTED" in proc.stdout.splitlines()
     assert "PREEMPTED" in flat(proc.stderr)
@@ -255,6 +250,6 @@ def test_cli_preempted_vm_exits_4_unless_forced(tmp_path):
 
 
 def test_cli_describe_with_no_arguments_off_a_tpu_vm(tmp_path):
-    proc = run_cli("slice", "describe", env=cli_env(tmp_path / "home"))
+    proc = invoke("slice", "describe", env=cli_env(tmp_path / "home"))
     assert proc.returncode == ExitCode.USAGE
     assert "not a TPU VM" in flat(proc.stderr) and "tpulaunch slice describe NAME --zone ZONE" in flat(proc.stderr)

@@ -9,7 +9,6 @@ patched `find_spec` to simulate a machine without jax.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import signal
@@ -21,13 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, cli_env, last_summary, run_cli, write_scripts
-from tpulaunch import run
-from tpulaunch.host import frameworks
-from tpulaunch.plan import mesh as M
-from tpulaunch.plan import topology as T
-from tpulaunch.errors import LaunchError, MeshMismatchError
-from tpulaunch.host.frameworks.jax import ADAPTER, device_order
+from support import REPO, cli_env, last_summary, run_cli, write_scripts
 
 # The global array every host builds with make_array_from_callback (and the test with numpy).
 SUM_SHAPE = (16, 12)
@@ -99,102 +92,21 @@ def workdir(tmp_path_factory) -> Path:
 # -- no runtime: plan, env, id mapping, missing jax ---------------------------------------------
 
 
-def test_emulation_env_gives_each_host_its_own_devices():
-    topo = T.resolve(None, topology="2x8")
-    env = ADAPTER.emulation_env(topo, 1)
-    assert env["JAX_PLATFORMS"] == "cpu"
-    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
-    tpu7x = T.resolve("tpu7x-16")  # 2 devices per chip, 4 chips per host
-    assert ADAPTER.emulation_env(tpu7x, 2)["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
-
-
-def test_dry_run_plans_the_jax_coordinator(workdir):
-    proc = run_cli("run", "jax_checks.py", "--topology", "2x8", "--dry-run", "--json", cwd=workdir)
-    assert proc.returncode == 0, proc.stderr
-    plan = json.loads(proc.stdout)
-    assert plan["framework"] == "jax"
-    addrs = {h["env"]["JAX_COORDINATOR_ADDRESS"] for h in plan["hosts"]}
-    assert len(addrs) == 1 and addrs.pop().startswith("127.0.0.1:")
-    for i, h in enumerate(plan["hosts"]):
-        env = h["env"]
-        assert env["JAX_PROCESS_ID"] == str(i) and env["JAX_NUM_PROCESSES"] == "4"
-        assert env["JAX_PLATFORMS"] == "cpu"
-        assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
-        assert "CPU_NUM_DEVICES" not in env, "JAX hosts hold their own devices, not the whole slice"
-
-
-def _cpu_attrs(plan: M.MeshPlan, order: list[int]) -> list[dict]:
-    """What jax.devices() reports on CPU: per process, ids p*2048+k, listed in `order`."""
-    per = plan.topology.devices_per_host
-    out = [{"id": p * 2048 + k, "process_index": p, "platform": "cpu"}
-           for p in range(plan.num_processes) for k in range(per)]
-    return [out[i] for i in order]
-
-
-def test_cpu_device_order_follows_process_and_local_index():
-    plan = M.plan_mesh(T.resolve(None, topology="2x8"))
-    shuffled = [5, 0, 15, 9, 1, 2, 3, 4, 6, 7, 8, 10, 11, 12, 13, 14]
-    attrs = _cpu_attrs(plan, shuffled)
-    order = device_order(plan, attrs)
-    for flat, plan_id in enumerate(plan.device_ids()):
-        a = attrs[order[flat]]
-        assert a["process_index"] == plan_id // 4 and a["id"] == (plan_id // 4) * 2048 + plan_id % 4
-
-
-def test_tpu_device_order_matches_coords_core_and_slice():
-    # v4-16 x 2 slices: 2 hosts per slice, 4 chips (one device each) per host
-    plan = M.plan_mesh(T.resolve("v4-16"), "data=2,model=4", "data=2")
-    attrs = []
-    for dev_id in reversed(range(plan.num_devices)):  # JAX's order is not the plan's
-        d = plan.device(dev_id)
-        attrs.append({"id": 1000 + dev_id, "process_index": d.process, "platform": "tpu",
-                      "coords": d.chip, "core_on_chip": d.core, "slice_index": d.slice})
-    order = device_order(plan, attrs)
-    assert [attrs[i]["id"] - 1000 for i in order] == plan.device_ids()
-    # a chip on the wrong process (worker ids and process ids disagree) is refused
-    attrs[0] = dict(attrs[0], process_index=(attrs[0]["process_index"] + 1) % plan.num_processes)
-    with pytest.raises(MeshMismatchError, match="belongs to JAX process"):
-        device_order(plan, attrs)
-    # a chip the plan expects but the runtime lacks
-    with pytest.raises(MeshMismatchError, match="is not among JAX's devices"):
-        device_order(plan, attrs[1:])
-
-
-def _without_jax(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a, **k: None if name == "jax" else real(name, *a, **k))
-
-
-def test_framework_jax_without_jax_installed_names_the_extra(monkeypatch, workdir):
-    _without_jax(monkeypatch)
-    with pytest.raises(LaunchError) as e:
-        frameworks.require_installed("jax")
-    assert e.value.line() == "--framework jax needs jax, which is not installed. pip install 'tpulaunch[jax]'"
-    # the same, from a launch request (explicit and auto-detected), before anything starts
-    monkeypatch.chdir(workdir)
-    for fw in ("jax", "auto"):
-        req = run.LaunchRequest(script="jax_checks.py", topology="2x8", framework=fw, workdir=str(workdir))
-        with pytest.raises(LaunchError) as e:
-            run.prepare(req)
-        assert "tpulaunch[jax]" in e.value.line()
-
-
 def test_build_mesh_checks_device_counts_and_single_host_boot():
     """In a fresh process with 8 CPU devices: a 1-host v6e-8 boots without a coordinator and gets
     its mesh; plans needing another device count, or another count per host, are refused."""
     code = textwrap.dedent("""
         import json
         from tpulaunch.plan import mesh as M, topology as T
-        from tpulaunch.plan.launch import HostState
+        from tpulaunch.plan.launch import build_plan
+        from tpulaunch.plan.slicespec import SliceSpec
         from tpulaunch.errors import MeshMismatchError
         from tpulaunch.host.frameworks.jax import ADAPTER
 
-        def state(plan):
-            return HostState(run_id="r", process_index=0, num_processes=plan.num_processes, worker_id=0,
-                             slice_index=0, num_slices=1, slice_name="s", accelerator_type="x", topology="t",
-                             coordinator_address="127.0.0.1:1", framework="jax", emulated=True, distributed=True,
-                             log_dir="/tmp", script="x.py", args=(), mesh=plan)
+        def state(mesh):
+            return build_plan(slices=[SliceSpec.emulated_from(mesh.topology, "s")], mesh=mesh, script="x.py",
+                              framework="jax", run_id="r", coordinator_port=1, emulated=True, log_dir="/tmp",
+                              workdir="/tmp").state(0)
         out = {}
         plan = M.plan_mesh(T.resolve("v6e-8"))
         ADAPTER.boot(state(plan))

@@ -8,7 +8,7 @@ import textwrap
 
 from fakes.tpu_api_server import FakeTpuApi, standard_nodes, standard_queued_resources
 
-from conftest import cli_env, run_cli
+from support import cli_env, run_cli
 
 SCRIPT = """
     import tpulaunch, torch_xla

@@ -4,6 +4,11 @@ Each row asserts what the user sees: the exit code, the host blamed and why, tha
 log of every attempt is on disk, and that no host process (or Ray process of a cluster the run
 started) is left behind. Faults that do not damage the cluster run on the shared warm 2x8;
 killing Ray nodes needs a cluster of its own.
+
+The scripts boot no framework (`--framework none`): what is under test is the supervision (blame,
+budgets, stops, logs), which is the same whatever the script imports, and a host without torch
+starts in a fraction of a second. The framework adapters' own failures are tested in test_run.py
+and test_jax.py.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, live_processes, processes_mentioning, run_cli, write_scripts
+from support import cli_env, live_processes, processes_mentioning, run_cli, write_scripts
 from fakes.metadata_server import FakeMetadataServer
 
 HOSTS = 4
@@ -42,16 +47,20 @@ SCRIPTS = {
         print("finished", flush=True)
     """,
     "hang.py": """
-        import time, torch.distributed as dist, tpulaunch
+        import os, time, tpulaunch
 
         def wait_forever():
             while True:
                 time.sleep(1)
 
+        def barrier():  # the others wait for host 2, as in the next collective of a training step
+            while not os.path.exists("never"):
+                time.sleep(1)
+
         print("started", flush=True)
         if tpulaunch.context().process_index == 2:
             wait_forever()
-        dist.barrier()  # the others wait for host 2 in the next collective, as in training
+        barrier()
     """,
     "flaky.py": """
         import os, sys, tpulaunch
@@ -169,8 +178,8 @@ def _assert_nothing_left(run_id: str, cluster_dirs: list[str] = ()) -> None:
 
 def _shared(shared_cluster, workdir, tmp_path, script, *flags, env_extra=None):
     env = dict(shared_cluster["env"], **(env_extra or {}))
-    return Launch([script, "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path), "--json", *flags],
-                  workdir, env)
+    return Launch([script, "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path), "--json",
+                   "--framework", "none", *flags], workdir, env)
 
 
 # -- faults of one host's process (shared cluster) -----------------------------------------------
@@ -228,7 +237,8 @@ def test_stall_dumps_every_hosts_stack_and_names_where_it_hangs(shared_cluster, 
     rc, s = launch.finish()
     assert rc == 124 and s["outcome"] == "stalled"
     assert time.monotonic() - stalled_at < 50, "exit 124 well under a minute past the stall"
-    assert "no output or heartbeat from any host for 20 s" in s["note"] and "host 2: in wait_forever (hang.py:6)" in s["note"]
+    assert "no output or heartbeat from any host for 20 s" in s["note"]
+    assert "host 2: in wait_forever (hang.py:6); hosts 0,1,3: in barrier (hang.py:10)" in s["note"]
     for h in s["hosts"]:
         stacks = Path(h["stacks"]).read_text()
         assert Path(h["stacks"]).parent == Path(s["attempts"][0]["log_dir"])
@@ -271,8 +281,7 @@ def test_restart_succeeds(shared_cluster, workdir, tmp_path):
 
 @pytest.mark.cluster
 def test_restart_budget_exhausted(shared_cluster, workdir, tmp_path):
-    launch = Launch(["flaky.py", "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path), "--json",
-                     "--max-restarts", "1", "--env", "ALWAYS=1"], workdir, shared_cluster["env"])
+    launch = _shared(shared_cluster, workdir, tmp_path, "flaky.py", "--max-restarts", "1", "--env", "ALWAYS=1")
     rc, s = launch.finish()
     assert rc == 3 and s["restarts"] == 1 and s["note"] == "--max-restarts 1 spent"
     assert [a["outcome"] for a in s["attempts"]] == ["failed", "failed"]
@@ -351,7 +360,8 @@ def test_launcher_sigterm_during_the_run(shared_cluster, workdir, tmp_path):
 def test_launcher_signal_while_the_cluster_starts(workdir, tmp_path, sig, code):
     before = set(Path("/tmp").glob("tpl-*"))
     env = cli_env(TPULAUNCH_HOME=str(tmp_path / "home"))
-    launch = Launch(["sleepy.py", "--topology", "2x8", "--no-dist", "--log-dir", str(tmp_path / "runs")], workdir, env)
+    launch = Launch(["sleepy.py", "--accelerator", "v4-16", "--framework", "none", "--log-dir", str(tmp_path / "runs")],
+                    workdir, env)
     end = time.monotonic() + 60
     while not (set(Path("/tmp").glob("tpl-*")) - before) and time.monotonic() < end:
         time.sleep(0.1)
@@ -383,11 +393,12 @@ def _raylet_of(cluster_dir: str, worker: int) -> list[int]:
 
 
 def _own_cluster_launch(workdir, tmp_path, *flags):
+    """A run on a cluster of its own: a 2-host v4-16 (what is lost is a node, not a slice size)."""
     before = set(Path("/tmp").glob("tpl-*"))
     env = cli_env(TPULAUNCH_HOME=str(tmp_path / "home"))
-    launch = Launch(["sleepy.py", "--topology", "2x8", "--no-dist", "--log-dir", str(tmp_path / "runs"), "--json",
-                     *flags], workdir, env)
-    launch.wait_for(r"\] ready \d attempt 0", HOSTS)
+    launch = Launch(["sleepy.py", "--accelerator", "v4-16", "--framework", "none", "--log-dir", str(tmp_path / "runs"),
+                     "--json", *flags], workdir, env)
+    launch.wait_for(r"\] ready \d attempt 0", 2)
     (cluster_dir,) = [str(d) for d in set(Path("/tmp").glob("tpl-*")) - before]
     return launch, cluster_dir
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -17,8 +16,6 @@ import pytest
 
 from tpulaunch.plan import mesh as M
 from tpulaunch.plan import topology as T
-from tpulaunch.errors import MeshMismatchError
-from tpulaunch.host.frameworks.torch_xla import runtime_device_ids
 
 # (case id, topology kwargs, mesh, dcn, num_slices, tensor shape, partition spec)
 CASES_16 = [
@@ -199,74 +196,3 @@ def test_sharded_compute_is_correct(xla_runs, n):
 # -- runtime_device_ids with TPU-style attributes (no runtime needed) ------------------------------
 
 
-def _tpu_attributes(plan: M.MeshPlan, seed: int, with_slice: bool) -> tuple[list[dict], list[int]]:
-    """Attributes as PJRT would report them on a TPU, in a scrambled ordinal order.
-
-    Returns (attributes by ordinal, plan device id of each ordinal)."""
-    ids = list(range(plan.num_devices))
-    random.Random(seed).shuffle(ids)
-    attrs = []
-    for dev_id in ids:
-        d = plan.device(dev_id)
-        a = {"coords": list(d.chip), "core_on_chip": d.core, "name": f"TPU_{dev_id}"}
-        if with_slice:
-            a["slice_index"] = d.slice
-        attrs.append(a)
-    return attrs, ids
-
-
-@pytest.mark.parametrize(
-    "topo_kw, mesh, num_slices, with_slice",
-    [
-        (dict(spec="v4-32"), None, 1, False),
-        (dict(spec="tpu7x-16"), None, 1, False),  # 2 devices per chip: core_on_chip tells them apart
-        (dict(spec="v2-32"), "a=4,b=8", 1, False),
-        (dict(spec="v5p-32"), "data=2,model=-1", 2, True),
-        (dict(spec="tpu7x-16"), "a=2,b=2,c=4", 3, True),
-        (dict(spec="v6e-16"), None, 1, True),
-    ],
-)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_runtime_device_ids_maps_scrambled_tpu_ordinals(topo_kw, mesh, num_slices, with_slice, seed):
-    plan = _plan(topo_kw, mesh, None, num_slices)
-    attrs, id_of_ordinal = _tpu_attributes(plan, seed, with_slice)
-    ordinals = runtime_device_ids(plan, attrs)
-    assert sorted(ordinals) == list(range(plan.num_devices))
-    # each mesh position gets the runtime ordinal of the planned physical device
-    assert [id_of_ordinal[o] for o in ordinals] == plan.device_ids()
-    for o, dev_id in zip(ordinals, plan.device_ids()):
-        d = plan.device(dev_id)
-        assert tuple(attrs[o]["coords"]) == d.chip and attrs[o]["core_on_chip"] == d.core
-
-
-def test_runtime_device_ids_without_coords_is_the_identity():
-    plan = _plan(dict(spec="v4-32"))
-    cpu_attrs = [{"name": f"CPU_{i}"} for i in range(16)]
-    assert runtime_device_ids(plan, cpu_attrs) == plan.device_ids()
-
-
-@pytest.mark.parametrize(
-    "topo_kw, num_slices, drop",
-    [(dict(spec="v4-32"), 1, 5), (dict(spec="tpu7x-16"), 1, 0), (dict(spec="v5p-32"), 2, 31)],
-)
-def test_runtime_device_ids_missing_device_raises(topo_kw, num_slices, drop):
-    plan = _plan(topo_kw, num_slices=num_slices)
-    attrs, id_of_ordinal = _tpu_attributes(plan, 7, num_slices > 1)
-    missing = id_of_ordinal[drop]
-    del attrs[drop]
-    with pytest.raises(MeshMismatchError) as ei:
-        runtime_device_ids(plan, attrs)
-    d = plan.device(missing)
-    line = ei.value.line()
-    assert f"planned device {missing}" in line
-    assert str(d.chip) in line and "is not among the runtime's devices" in line
-
-
-def test_runtime_device_ids_wrong_slice_raises():
-    """A multislice plan on a runtime whose devices carry no second slice_index."""
-    plan = _plan(dict(spec="v4-16"), num_slices=2)
-    attrs, _ = _tpu_attributes(plan, 3, with_slice=True)
-    for a in attrs:
-        a["slice_index"] = 0  # every device claims slice 0
-    with pytest.raises(MeshMismatchError, match="slice 1"):
-        runtime_device_ids(plan, attrs)

@@ -7,16 +7,11 @@ import os
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-try:
-    from tests.fakes import closed_port, hermetic_path
-    from tests.fakes.tpu_api_server import FakeTpuApi, make_node, standard_nodes, standard_queued_resources
-except ImportError:  # tests/ on sys.path instead of the repo root
-    from fakes import closed_port, hermetic_path
-    from fakes.tpu_api_server import FakeTpuApi, make_node, standard_nodes, standard_queued_resources
+from fakes import closed_port, hermetic_path
+from fakes.tpu_api_server import FakeTpuApi, make_node, standard_nodes, standard_queued_resources
 
 from tpulaunch import discover as discovery
 from tpulaunch.discover import tpu_api
@@ -325,27 +320,6 @@ def test_endpoint_from_env(monkeypatch, api):
 # -- project / zone -----------------------------------------------------------------------------
 
 
-def _fake_gcloud(monkeypatch, tmp_path, project=None, zone=None):
-    log = tmp_path / "gcloud.jsonl"
-    monkeypatch.setenv("PATH", hermetic_path(gcloud=True))
-    monkeypatch.setenv("FAKE_GCLOUD_LOG", str(log))
-    if project:
-        monkeypatch.setenv("FAKE_GCLOUD_PROJECT", project)
-    if zone:
-        monkeypatch.setenv("FAKE_GCLOUD_ZONE", zone)
-    return log
-
-
-def _calls(log: Path) -> list[list[str]]:
-    return [json.loads(line)["argv"] for line in log.read_text().splitlines()] if log.exists() else []
-
-
-def test_project_zone_from_flags_never_runs_gcloud(monkeypatch, tmp_path):
-    log = _fake_gcloud(monkeypatch, tmp_path, project="g-proj", zone="g-zone")
-    assert discovery.resolve_project_zone("p", "z") == ("p", "z", {"project": "--project flag", "zone": "--zone flag"})
-    assert _calls(log) == []
-
-
 @pytest.mark.parametrize("env", ["GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT"])
 def test_project_zone_from_env(monkeypatch, env):
     monkeypatch.setenv(env, "env-proj")
@@ -353,38 +327,6 @@ def test_project_zone_from_env(monkeypatch, env):
     p, z, prov = discovery.resolve_project_zone(None, None)
     assert (p, z) == ("env-proj", "env-zone")
     assert prov == {"project": f"env {env}", "zone": "env CLOUDSDK_COMPUTE_ZONE"}
-
-
-def test_project_zone_from_gcloud_config(monkeypatch, tmp_path):
-    log = _fake_gcloud(monkeypatch, tmp_path, project="g-proj", zone="us-central2-b")
-    p, z, prov = discovery.resolve_project_zone(None, None)
-    assert (p, z) == ("g-proj", "us-central2-b")
-    assert prov == {"project": "gcloud config project", "zone": "gcloud config compute/zone"}
-    assert _calls(log) == [["config", "get-value", "project"], ["config", "get-value", "compute/zone"]]
-
-
-def test_gcloud_only_asked_for_what_is_missing(monkeypatch, tmp_path):
-    log = _fake_gcloud(monkeypatch, tmp_path, project="g-proj", zone="g-zone")
-    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "env-proj")
-    p, z, prov = discovery.resolve_project_zone(None, None)
-    assert (p, z) == ("env-proj", "g-zone")
-    assert _calls(log) == [["config", "get-value", "compute/zone"]]
-
-
-def test_gcloud_unset_values_and_no_gcloud(monkeypatch, tmp_path):
-    _fake_gcloud(monkeypatch, tmp_path)  # on PATH, nothing configured
-    assert discovery.resolve_project_zone(None, None) == (None, None, {})
-    monkeypatch.setenv("PATH", hermetic_path(gcloud=False))
-    assert discovery.resolve_project_zone(None, None) == (None, None, {})
-
-
-def test_slow_gcloud_is_bounded(monkeypatch, tmp_path):
-    _fake_gcloud(monkeypatch, tmp_path, project="g-proj", zone="g-zone")
-    monkeypatch.setenv("FAKE_GCLOUD_DELAY", "20")
-    monkeypatch.setenv("TPULAUNCH_GCLOUD_TIMEOUT", "0.5")
-    start = time.monotonic()
-    assert discovery.resolve_project_zone(None, None) == (None, None, {})
-    assert time.monotonic() - start < 1 + 10
 
 
 def test_missing_project_is_one_clear_error(api):

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from conftest import run_cli, run_json
+from fakes import invoke
+from support import invoke_json
 
 
 def _one_error_line(proc) -> str:
@@ -25,7 +26,7 @@ def _one_error_line(proc) -> str:
 
 
 def test_topology_v4_32_json():
-    d = run_json("topology", "v4-32")
+    d = invoke_json("topology", "v4-32")
     assert d["schema"] == "tpulaunch.topology/v1"
     assert (d["generation"], d["accelerator_type"], d["topology"], d["torus_dims"]) == ("v4", "v4-32", "2x2x4", 3)
     assert (d["chips"], d["devices"], d["hosts"], d["chips_per_host"]) == (16, 16, 4, 4)
@@ -38,7 +39,7 @@ def test_topology_v4_32_json():
 
 
 def test_topology_v6e_8_json():
-    d = run_json("topology", "v6e-8")
+    d = invoke_json("topology", "v6e-8")
     assert (d["generation"], d["topology"], d["chips"], d["devices"], d["hosts"], d["chips_per_host"]) == (
         "v6e", "2x4", 8, 8, 1, 8,
     )
@@ -49,13 +50,13 @@ def test_topology_v6e_8_json():
 
 
 def test_topology_v6e_8_as_two_vms():
-    d = run_json("topology", "v6e-8", "--chips-per-host", "4")
+    d = invoke_json("topology", "v6e-8", "--chips-per-host", "4")
     assert (d["hosts"], d["chips_per_host"], d["host_bounds"], d["chips_per_host_bounds"]) == (2, 4, "1,2,1", "2,2,1")
 
 
 @pytest.mark.parametrize("spec", ["tpu7x-16", "v7x-16"])
 def test_topology_tpu7x_16_json(spec):
-    d = run_json("topology", spec)
+    d = invoke_json("topology", spec)
     assert (d["generation"], d["accelerator_type"], d["topology"]) == ("v7x", "tpu7x-16", "2x2x2")
     assert (d["chips"], d["devices"], d["hosts"], d["chips_per_host"], d["devices_per_host"]) == (8, 16, 2, 4, 8)
     assert (d["host_bounds"], d["chips_per_host_bounds"], d["devices_per_chip"]) == ("1,1,2", "2,2,1", 2)
@@ -75,22 +76,22 @@ def test_topology_tpu7x_16_json(spec):
     ],
 )
 def test_topology_inputs(args, acc, chips, hosts):
-    d = run_json("topology", *args)
+    d = invoke_json("topology", *args)
     assert (d["accelerator_type"], d["chips"], d["hosts"]) == (acc, chips, hosts)
     assert d["notes"] == [] or "2x4" in d["topology"]
 
 
 def test_2d_shape_without_generation_says_v6e():
-    d = run_json("topology", "2x8")
+    d = invoke_json("topology", "2x8")
     assert (d["generation"], d["accelerator_type"]) == ("v6e", "v6e-16")
     assert any("v6e" in n and "no generation" in n for n in d["notes"])
-    proc = run_cli("topology", "--topology", "2x8")
+    proc = invoke("topology", "--topology", "2x8")
     assert proc.returncode == 0
     assert "note: no generation given: a 2D shape means v6e" in proc.stdout
 
 
 def test_json_is_one_document_and_nothing_else():
-    proc = run_cli("topology", "v4-32", "--json")
+    proc = invoke("topology", "v4-32", "--json")
     assert proc.returncode == 0
     json.loads(proc.stdout)  # the whole of stdout is one document
     assert proc.stderr == ""
@@ -124,23 +125,23 @@ def test_json_is_one_document_and_nothing_else():
     ids=lambda v: " ".join(v) if isinstance(v, tuple) else None,
 )
 def test_bad_input_is_one_clear_line(args, must_name):
-    line = _one_error_line(run_cli(*args))
+    line = _one_error_line(invoke(*args))
     for word in must_name:
         assert word in line, (word, line)
 
 
 def test_bad_flag_is_a_usage_error_not_an_internal_error():
-    proc = run_cli("topology", "v4-32", "--bogus")
+    proc = invoke("topology", "v4-32", "--bogus")
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
     assert "--bogus" in proc.stderr
-    proc = run_cli("topology", "v4-32", "--chips-per-host", "abc")
+    proc = invoke("topology", "v4-32", "--chips-per-host", "abc")
     assert proc.returncode == 2, proc.stderr
     assert "internal error" not in proc.stderr
 
 
 def test_no_arguments_shows_help_not_an_internal_error():
-    proc = run_cli()
+    proc = invoke()
     assert proc.returncode in (0, 2), proc.stderr
     assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
     text = proc.stdout + proc.stderr
@@ -151,7 +152,7 @@ def test_no_arguments_shows_help_not_an_internal_error():
 
 
 def test_topology_plain_output_reads_well():
-    proc = run_cli("topology", "v4-32")
+    proc = invoke("topology", "v4-32")
     assert proc.returncode == 0 and proc.stderr == ""
     out = proc.stdout
     for phrase in [
@@ -166,23 +167,23 @@ def test_topology_plain_output_reads_well():
 
 
 def test_topology_plain_2d_coordinates_have_two_numbers():
-    out = run_cli("topology", "v6e-16").stdout
+    out = invoke("topology", "v6e-16").stdout
     assert "host 1: grid 1,0 chips (2,0) (3,0) (2,1) (3,1)" in out
     assert "torus: 2D" in out and "suffix_counts: chips" in out
 
 
 def test_long_host_lists_are_cut_in_plain_output_but_not_in_json():
-    out = run_cli("topology", "v5p-12288").stdout
+    out = invoke("topology", "v5p-12288").stdout
     assert "host 63:" in out and "host 64:" not in out
     assert "1472 more hosts (use --json for all)" in out
-    assert len(run_json("topology", "v5p-12288")["host_list"]) == 1536
+    assert len(invoke_json("topology", "v5p-12288")["host_list"]) == 1536
 
 
 # -- tpulaunch mesh inspect -----------------------------------------------------------------------------
 
 
 def test_mesh_inspect_2x8_json_rows_are_hosts():
-    d = run_json("mesh", "inspect", "--topology", "2x8")
+    d = invoke_json("mesh", "inspect", "--topology", "2x8")
     assert d["schema"] == "tpulaunch.mesh/v1"
     assert (d["axis_names"], d["shape"], d["num_devices"], d["num_processes"]) == (["data", "model"], [4, 4], 16, 4)
     assert (d["generation"], d["accelerator_type"], d["topology"]) == ("v6e", "v6e-16", "2x8")
@@ -198,7 +199,7 @@ def test_mesh_inspect_2x8_json_rows_are_hosts():
 
 
 def test_mesh_inspect_shard_json():
-    d = run_json("mesh", "inspect", "--topology", "2x8", "--shard", "1024x4096", "--spec", "data,model")
+    d = invoke_json("mesh", "inspect", "--topology", "2x8", "--shard", "1024x4096", "--spec", "data,model")
     s = d["sharding"]
     assert s["tensor_shape"] == [1024, 4096]
     assert s["shard_shape"] == [256, 1024]
@@ -210,7 +211,7 @@ def test_mesh_inspect_shard_json():
 
 
 def test_mesh_inspect_shard_plain_output():
-    proc = run_cli("mesh", "inspect", "--topology", "2x8", "--shard", "1024x4096", "--spec", "data,model")
+    proc = invoke("mesh", "inspect", "--topology", "2x8", "--shard", "1024x4096", "--spec", "data,model")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for phrase in [
@@ -229,14 +230,14 @@ def test_mesh_inspect_shard_plain_output():
 
 
 def test_mesh_inspect_partial_replication_plain():
-    out = run_cli("mesh", "inspect", "-t", "2x8", "--shard", "1024x4096", "--spec", "data,None").stdout
+    out = invoke("mesh", "inspect", "-t", "2x8", "--shard", "1024x4096", "--spec", "data,None").stdout
     assert "shard shape: 256x4096 (4 shards, 4 replica(s) each)" in out
     assert "last_tile_dim_replicate}" in out
     assert "block [0:256] [0:4096] on devices 0,1,2,3" in out
 
 
 def test_mesh_inspect_one_host_is_1d():
-    proc = run_cli("mesh", "inspect", "-a", "v6e-8")
+    proc = invoke("mesh", "inspect", "-a", "v6e-8")
     assert proc.returncode == 0, proc.stderr
     assert "mesh data=8 over v6e-8 (2x4), 8 devices" in proc.stdout
     assert "data: 0 1 3 2 4 5 7 6" in proc.stdout
@@ -244,20 +245,20 @@ def test_mesh_inspect_one_host_is_1d():
 
 def test_mesh_inspect_multislice():
     args = ("mesh", "inspect", "-t", "2x2x4", "-a", "v4", "--mesh", "data=4,model=4", "--dcn", "data=2")
-    d = run_json(*args)
+    d = invoke_json(*args)
     assert (d["shape"], d["ici_shape"], d["dcn_shape"], d["num_slices"], d["num_processes"]) == (
         [8, 4], [4, 4], [2, 1], 2, 8,
     )
     assert all(i < 16 for r in d["grid"][:4] for i in r) and all(i >= 16 for r in d["grid"][4:] for i in r)
-    out = run_cli(*args).stdout
+    out = invoke(*args).stdout
     assert "mesh data=8, model=4  (ICI 4x4 x DCN 2x1) over 2 x v4-32 (2x2x4), 32 devices" in out
     assert "host 7: slice 1 worker 3 devices 28-31" in out
 
 
 def test_mesh_inspect_three_axes():
-    d = run_json("mesh", "inspect", "-a", "tpu7x-16", "--mesh", "a=2,b=-1,c=4")
+    d = invoke_json("mesh", "inspect", "-a", "tpu7x-16", "--mesh", "a=2,b=-1,c=4")
     assert d["axis_names"] == ["a", "b", "c"] and d["shape"] == [2, 2, 4]
-    out = run_cli("mesh", "inspect", "-a", "tpu7x-16", "--mesh", "a=2,b=-1,c=4").stdout
+    out = invoke("mesh", "inspect", "-a", "tpu7x-16", "--mesh", "a=2,b=-1,c=4").stdout
     assert "a=1,b=1: " in out
 
 
@@ -265,7 +266,7 @@ def test_mesh_inspect_three_axes():
 
 
 def test_root_help():
-    proc = run_cli("--help")
+    proc = invoke("--help")
     assert proc.returncode == 0
     out = proc.stdout
     for phrase in ["Launch SPMD training", "Cloud TPU slice", "emulated", "topology", "mesh", "--debug"]:
@@ -273,7 +274,7 @@ def test_root_help():
 
 
 def test_topology_help():
-    proc = run_cli("topology", "--help")
+    proc = invoke("topology", "--help")
     assert proc.returncode == 0
     out = proc.stdout
     for phrase in [
@@ -285,7 +286,7 @@ def test_topology_help():
 
 
 def test_mesh_inspect_help():
-    proc = run_cli("mesh", "inspect", "-h")
+    proc = invoke("mesh", "inspect", "-h")
     assert proc.returncode == 0
     out = proc.stdout
     for phrase in ["--topology", "--mesh", "NAME=SIZE", "-1", "--dcn", "--num-slices", "--shard", "--spec",
@@ -323,3 +324,21 @@ def test_rich_topology_and_mesh_render():
     assert "0-3" in text and "12-15" in text
     text = _render(render.sharding_rich(plan.sharding((1024, 4096), ("data", "model"))))
     assert "shard shape: 256x1024" in text and "{devices=[4,4]" in text
+
+
+@pytest.mark.parametrize("acc, topology, hosts, devices", [
+    ("v4-4096", "8x16x16", 512, 2048), ("v4-8192", "16x16x16", 1024, 4096),
+    ("v5p-17920", "16x20x28", 2240, 8960), ("tpu7x-18432", "16x24x24", 2304, 18432),
+])
+def test_whole_pods_from_the_command_line(acc, topology, hosts, devices):
+    doc = json.loads(invoke("topology", acc, "--json").stdout)
+    assert (doc["topology"], doc["hosts"], doc["devices"], len(doc["host_list"])) == (topology, hosts, devices, hosts)
+
+
+def test_mesh_inspect_of_a_whole_pod_is_a_summary():
+    proc = invoke("mesh", "inspect", "tpu7x-18432")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "mesh data=2304, model=8 over tpu7x-18432 (16x24x24), 18432 devices"
+    assert "... 2240 more rows (use --json for all)" in lines and "... 2240 more hosts (use --json for all)" in lines
+    assert len(lines) < 140

@@ -19,14 +19,9 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from tests.fakes import FAKE_BIN, closed_port, cli_env, hermetic_path, run_cli
-    from tests.fakes.metadata_server import FakeMetadataServer
-    from tests.fakes.tpu_api_server import FakeTpuApi, standard_nodes
-except ImportError:  # tests/ on sys.path instead of the repo root
-    from fakes import FAKE_BIN, closed_port, cli_env, hermetic_path, run_cli
-    from fakes.metadata_server import FakeMetadataServer
-    from fakes.tpu_api_server import FakeTpuApi, standard_nodes
+from fakes import FAKE_BIN, closed_port, cli_env, hermetic_path, run_cli
+from fakes.metadata_server import FakeMetadataServer
+from fakes.tpu_api_server import FakeTpuApi, standard_nodes
 
 from tpulaunch import gcloud
 from tpulaunch.cluster import remote as ray_remote

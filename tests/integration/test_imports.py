@@ -1,0 +1,38 @@
+"""Planning loads no framework and no Ray: `--dry-run`, `mesh inspect` and the driver stay light.
+
+A fresh interpreter is the only place to see what an import pulls in, so this is a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from support import REPO
+
+
+def test_planning_and_the_adapters_load_no_framework_and_no_ray():
+    plan_modules = sorted(".".join(p.relative_to(REPO).with_suffix("").parts)
+                          for p in (REPO / "tpulaunch" / "plan").glob("*.py") if p.name != "__init__.py")
+    assert "tpulaunch.plan.mesh" in plan_modules and "tpulaunch.plan.env" in plan_modules
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {plan_modules!r}: importlib.import_module(m)\n"
+        "import tpulaunch.plan.mesh as M, tpulaunch.plan.topology as T\n"
+        "p = M.plan_mesh(T.resolve('v4-32'), 'data=2,model=-1')\n"
+        "p.sharding((8, 8), ('data', 'model'))\n"
+        "a = sorted(m for m in ('ray', 'torch', 'torch_xla', 'jax', 'numpy') if m in sys.modules)\n"
+        "import tpulaunch.host.frameworks.torch_xla, tpulaunch.host.frameworks.jax  # lazy: import nothing yet\n"
+        "b = sorted(m for m in ('ray', 'torch', 'torch_xla', 'jax') if m in sys.modules)\n"
+        "print(json.dumps([a, b]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [[], []]
+
+
+def test_importing_tpulaunch_does_not_import_ray_train():
+    code = "import sys, tpulaunch; print('ray.train' in sys.modules, 'ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

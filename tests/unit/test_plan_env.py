@@ -1,0 +1,136 @@
+"""The per-host contract: `build_plan` -> `HostState` -> `host_env`, pure and golden.
+
+The golden file holds the `--dry-run --json` document of seven plans (emulated and real, one and
+two slices, torch_xla, JAX, exec, a restart). It is the document the code before the typed contract
+(environment strings rewritten by name) produced for the same plans, with one intended difference:
+a user's `--env MASTER_PORT` now survives a restart (that code overwrote it on attempt 1 and later).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+from tpulaunch.host import frameworks
+from tpulaunch.plan import topology as T
+from tpulaunch.plan.env import host_env, split_env
+from tpulaunch.plan.launch import Endpoints, build_plan
+from tpulaunch.plan.mesh import plan_mesh
+from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
+
+GOLDEN = Path(__file__).parent / "golden" / "launch_plans.json"
+
+
+def _real_slices(topo, n):
+    return [SliceSpec(name=f"tpu-{s}", accelerator_type=topo.accelerator_type, topology=topo.topology, source="tpu-api",
+                      zone="us-central2-b", project="p", state="READY", health="HEALTHY",
+                      workers=tuple(WorkerEndpoint(w, f"10.0.{s}.{w + 2}") for w in range(topo.num_hosts)),
+                      slice_index=s) for s in range(n)]
+
+
+def golden_plans() -> dict:
+    cases = {}
+    t = T.resolve(topology="2x8")
+    for fw in ("torch_xla", "jax"):
+        cases[f"emulated-2x8-{fw}"] = build_plan(
+            slices=[SliceSpec.emulated_from(t, "emulated")], mesh=plan_mesh(t), script="train.py", args=["--steps", "3"],
+            framework=fw, user_env={"FOO": "bar"}, run_id="20261123-000000-abcd", coordinator_port=40001,
+            group_port=40002, jax_coordinator_port=40003 if fw == "jax" else None, emulated=True,
+            emulation_env=frameworks.get(fw).emulation_env(t, 1), emulation_port=40004, log_dir="/runs/x", workdir="/w",
+            compile_cache="~/.cache/x")
+    t4 = T.resolve(accelerator="v4-32")
+    for fw in ("torch_xla", "jax"):
+        cases[f"real-2xv4-32-{fw}"] = build_plan(
+            slices=_real_slices(t4, 2), mesh=plan_mesh(t4, None, "data=2", 2), script="train.py", framework=fw,
+            run_id="20261123-000000-abcd", coordinator_port=8476, group_port=8478,
+            jax_coordinator_port=8477 if fw == "jax" else None, emulated=False, metadata_server=True, log_dir="/runs/y",
+            workdir="/w")
+    t = T.resolve(accelerator="v5p-16")
+    p = build_plan(slices=[SliceSpec.emulated_from(t, f"e-{i}", i) for i in range(2)], mesh=plan_mesh(t, None, None, 2),
+                   script="t.py", framework="jax", run_id="r1", coordinator_port=1, group_port=2, jax_coordinator_port=3,
+                   emulated=True, emulation_env=frameworks.get("jax").emulation_env(t, 2), emulation_port=4, log_dir="/l",
+                   workdir="/w", user_env={"MASTER_PORT": "999"})
+    cases["emulated-2xv5p-16-jax"] = p
+    cases["emulated-2xv5p-16-jax-attempt2"] = p.for_attempt(2, p.endpoints.moved(master_port=11, group_port=12,
+                                                                                jax_port=13, emulation_port=14))
+    t = T.resolve(topology="2x2")
+    cases["emulated-2x2-exec"] = build_plan(
+        slices=[SliceSpec.emulated_from(t, "one")], mesh=plan_mesh(t), script="", framework="torch_xla", run_id="r2",
+        coordinator_port=5, emulated=True, emulation_env=frameworks.get("torch_xla").emulation_env(t, 1), log_dir="/l",
+        workdir="/w", command=("hostname",), distributed=False)
+    return cases
+
+
+def test_every_hosts_environment_is_the_golden_one():
+    got = {name: plan.to_dict() for name, plan in golden_plans().items()}
+    if not GOLDEN.exists():  # first run: record (commit the file)
+        GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    want = json.loads(GOLDEN.read_text())
+    for name in want:
+        for h_got, h_want in zip(got[name]["hosts"], want[name]["hosts"]):
+            assert h_got["env"] == h_want["env"], f"{name} host {h_want['process_index']}"
+        assert json.loads(json.dumps(got[name])) == want[name], (
+            f"{name} differs from {GOLDEN}; if the change is meant, delete the file and rerun to record it")
+
+
+def test_a_restart_changes_fields_and_the_environment_follows():
+    p = golden_plans()["emulated-2x8-jax"]
+    again = p.for_attempt(1, p.endpoints.moved(master_port=5, group_port=6, jax_port=7, emulation_port=8))
+    before, after = p.env(2), again.env(2)
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {"TPULAUNCH_RESTART_COUNT", "TPULAUNCH_COORDINATOR_ADDRESS", "TPULAUNCH_GROUP_ADDRESS",
+                       "MASTER_PORT", "JAX_COORDINATOR_ADDRESS", "TPULAUNCH_EMULATION_PORT"}
+    assert after["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:7" and after["TPULAUNCH_RESTART_COUNT"] == "1"
+    assert again.state(2).endpoints.jax_address == "127.0.0.1:7"  # what the JAX adapter reads
+
+
+def test_what_changes_between_runs_is_exactly_the_per_run_part():
+    """A spare started with the static part can take any run of the same slice and framework."""
+    plans = golden_plans()
+    a = plans["emulated-2x8-torch_xla"]
+    from dataclasses import replace
+
+    b = replace(a, job=replace(a.job, run_id="other"), endpoints=Endpoints("127.0.0.1", 1, 2, None, 3))
+    for i in range(4):
+        static_a, run_a = split_env(a.state(i))
+        static_b, run_b = split_env(b.state(i))
+        assert static_a == static_b and run_a != run_b
+        assert not set(static_a) & set(run_a)
+        assert host_env(a.state(i)) == {**static_a, **run_a}
+
+
+def test_user_env_wins_over_everything_on_every_attempt():
+    p = golden_plans()["emulated-2xv5p-16-jax"]
+    assert p.env(0)["MASTER_PORT"] == "999"
+    assert p.for_attempt(3, p.endpoints.moved(master_port=77)).env(0)["MASTER_PORT"] == "999"
+    static, per_run = split_env(p.state(0))
+    assert static["MASTER_PORT"] == "999" and "MASTER_PORT" not in per_run
+
+
+def test_endpoints_move_only_the_ports_a_plan_has():
+    e = Endpoints("10.0.0.2", master_port=8476, group_port=8478)
+    moved = e.moved(master_port=1, group_port=2, jax_port=3, emulation_port=4)
+    assert (moved.master_port, moved.group_port, moved.jax_port, moved.emulation_port) == (1, 2, None, None)
+    assert Endpoints("h", 5).group_address == "h:5"  # no group port: the store shares MASTER_PORT
+
+
+def test_a_host_state_pickles_small_even_on_a_pod():
+    """Each host gets its own pickled state: the mesh is a recipe, not a table, so it stays small."""
+    t = T.resolve(accelerator="tpu7x-18432")
+    plan = build_plan(slices=_real_slices(t, 1), mesh=plan_mesh(t), script="t.py", run_id="r", coordinator_port=1,
+                      emulated=False, log_dir="/l", workdir="/w")
+    blob = pickle.dumps(plan.state(1234))
+    assert len(plan.hosts) == 2304 and pickle.loads(blob).process_index == 1234
+    assert len(blob) < 64 * 1024, len(blob)  # the slice's 2,304 worker IPs dominate (TPU_WORKER_HOSTNAMES)
+
+
+@pytest.mark.parametrize("bad", ["FOO", "=x", "1A=b", "A B=c"])
+def test_env_flags_must_be_key_value(bad):
+    from tpulaunch.errors import LaunchError
+    from tpulaunch.plan.launch import parse_env
+
+    with pytest.raises(LaunchError, match="is not KEY=VALUE"):
+        parse_env([bad])

@@ -1,0 +1,56 @@
+"""What happens after an attempt (`run.policy.decide`), over a table of cases, with no cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpulaunch.errors import ExitCode
+from tpulaunch.run.policy import Action, Budgets, Spent, decide
+from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome
+
+
+def attempt(outcome: Outcome, code: int = 0, cause: Cause | None = None) -> Attempt:
+    first = None if outcome is Outcome.OK else HostResult(1, 0, 1, exit_code=code, reason="x", cause=cause)
+    return Attempt(index=0, outcome=outcome, exit_code=code, hosts=[], log_dir="/l", first_failure=first)
+
+
+FAILED3 = attempt(Outcome.FAILED, 3, Cause.EXITED)
+LOST = attempt(Outcome.LOST, 75, Cause.NODE_LOST)
+PREEMPTED = attempt(Outcome.PREEMPTED, 75, Cause.PREEMPTED)
+HEAD = attempt(Outcome.LOST, 75, Cause.HEAD_LOST)
+
+CASES = [
+    # (attempt, budgets, spent) -> (action, spent after, why contains)
+    (attempt(Outcome.OK), Budgets(3, 3), Spent(), Action.FINISH, Spent(), None),
+    (attempt(Outcome.TIMEOUT, 124), Budgets(3, 3), Spent(), Action.FINISH, Spent(), None),
+    (attempt(Outcome.STALLED, 124), Budgets(3, 3), Spent(), Action.FINISH, Spent(), None),
+    (attempt(Outcome.INTERRUPTED, 130), Budgets(3, 3), Spent(), Action.FINISH, Spent(), None),
+    (FAILED3, Budgets(), Spent(), Action.FINISH, Spent(), None),  # no budget: nothing to say
+    (FAILED3, Budgets(max_restarts=1), Spent(), Action.RESTART, Spent(restarts=1), None),
+    (FAILED3, Budgets(max_restarts=1), Spent(restarts=1), Action.FINISH, Spent(restarts=1), "--max-restarts 1 spent"),
+    (FAILED3, Budgets(max_restarts=5, max_preemptions=5), Spent(preemptions=5), Action.RESTART,
+     Spent(restarts=1, preemptions=5), None),  # the budgets are separate
+    (attempt(Outcome.FAILED, ExitCode.USAGE), Budgets(9), Spent(), Action.FINISH, Spent(), "never retried"),
+    (attempt(Outcome.FAILED, ExitCode.BOOT_FAILED), Budgets(9), Spent(), Action.FINISH, Spent(), "never retried"),
+    (attempt(Outcome.FAILED, ExitCode.TPU_BUSY), Budgets(9), Spent(), Action.FINISH, Spent(), "never retried"),
+    (attempt(Outcome.FAILED, ExitCode.TPU_BUSY), Budgets(9, kill_stale=True), Spent(), Action.RESTART,
+     Spent(restarts=1), None),
+    (attempt(Outcome.FAILED, 137, Cause.EXITED), Budgets(1), Spent(), Action.RESTART, Spent(restarts=1), None),
+    (LOST, Budgets(), Spent(), Action.FINISH, Spent(), None),
+    (LOST, Budgets(max_preemptions=1), Spent(), Action.WAIT_FOR_SLICE, Spent(preemptions=1), None),
+    (LOST, Budgets(max_preemptions=1), Spent(preemptions=1), Action.FINISH, Spent(preemptions=1),
+     "--max-preemptions 1 spent"),
+    (LOST, Budgets(max_restarts=9), Spent(), Action.FINISH, Spent(), None),  # restarts do not cover losses
+    (PREEMPTED, Budgets(max_preemptions=2), Spent(preemptions=1), Action.WAIT_FOR_SLICE, Spent(preemptions=2), None),
+    (HEAD, Budgets(max_preemptions=3), Spent(), Action.FINISH, Spent(), "Ray head is gone"),
+]
+
+
+@pytest.mark.parametrize("a, budgets, spent, action, after, why", CASES)
+def test_decide(a, budgets, spent, action, after, why):
+    d = decide(a, budgets, spent)
+    assert (d.action, d.spent) == (action, after)
+    if why is None:
+        assert d.why is None
+    else:
+        assert why in d.why

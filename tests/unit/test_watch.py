@@ -1,0 +1,146 @@
+"""The decisions of one attempt (`run.watch.AttemptWatch`) and who is blamed (`run.summary`)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tpulaunch.host.protocol import PollReply
+from tpulaunch.run.summary import Cause, HostResult, Outcome, exit_code_for, exit_reason, first_failure
+from tpulaunch.run.watch import (AttemptWatch, StopAll, StopOthers, StopRules, innermost_frame,
+                                 where_hosts_are)
+
+
+def watch(n: int = 4, **rules) -> AttemptWatch:
+    w = AttemptWatch(0, [HostResult(i, 0, i) for i in range(n)], StopRules(**rules), now=0.0)
+    w.started(1000.0)
+    return w
+
+
+def reply(code=None, lines=(), activity=0.0, ended=None, preempted=None) -> PollReply:
+    return PollReply(lines=tuple(("stdout", t) for t in lines), code=code, wall_s=1.0, ended=ended,
+                     activity=activity, preempted=preempted)
+
+
+def test_a_host_that_exits_nonzero_stops_the_others_once():
+    w = watch()
+    assert w.on_reply(0, reply(lines=["hi"]), 1, 1001) is None
+    act = w.on_reply(2, reply(code=3, ended=1002.0), 2, 1002)
+    assert act == StopOthers("host 2 exit 3: stopping the other hosts", (0, 1, 3))
+    assert w.on_reply(1, reply(code=143, ended=1003.0), 3, 1003) is None  # stopped: no second fail fast
+    for i in (0, 3):
+        w.on_reply(i, reply(code=143, ended=1003.0), 3, 1003)
+    a = w.result("/l", 3.0, {})
+    assert (a.outcome, a.exit_code, a.first_failure.process_index) == (Outcome.FAILED, 3, 2)
+    assert a.first_failure.cause is Cause.EXITED and a.hosts[1].cause is Cause.STOPPED
+
+
+def test_all_exit_zero_is_ok():
+    w = watch(2)
+    for i in range(2):
+        w.on_reply(i, reply(code=0, ended=1001.0), 1, 1001)
+    a = w.result("/l", 1.0, {})
+    assert (a.outcome, a.exit_code, a.first_failure) == (Outcome.OK, 0, None)
+
+
+def test_a_lost_host_is_blamed_before_peers_that_ended_after_it_went_quiet():
+    """Host 1's node dies at t=1005 (last heard); hosts 0 and 2 fail in the next collective at 1006."""
+    w = watch(3)
+    for i in range(3):
+        w.on_reply(i, reply(lines=["step"]), 5, 1005)
+    w.on_reply(0, reply(code=1, ended=1006.0), 6, 1006)
+    w.on_reply(2, reply(code=1, ended=1006.0), 6, 1006)
+    w.on_gone(1, Cause.NODE_LOST, "node lost")
+    a = w.result("/l", 6.0, {})
+    assert (a.outcome, a.exit_code) == (Outcome.LOST, 75)
+    assert (a.first_failure.process_index, a.first_failure.reason) == (1, "node lost")
+
+
+def test_preemption_notice_stops_the_others_with_the_preemption_grace():
+    w = watch(2, preemption_grace_s=45.0)
+    act = w.on_reply(1, reply(lines=["tpulaunch: preemption notice"], preempted="preemption notice"), 1, 1001)
+    assert act == StopOthers("host 1 is preempted (preemption notice): stopping the other hosts", (0,), 45.0)
+    w.on_reply(1, reply(code=0, ended=1010.0), 2, 1010)  # saved its checkpoint and left in its grace
+    w.on_reply(0, reply(code=143, ended=1010.0), 2, 1010)
+    a = w.result("/l", 10.0, {})
+    assert a.outcome is Outcome.PREEMPTED and a.exit_code == 75
+    assert a.first_failure.reason == "preempted: preemption notice, then exit 0"
+
+
+def test_timeout_and_stall_and_signal():
+    w = watch(2, deadline=100.0, stall_timeout_s=20.0)
+    assert w.check(10.0, None) is None
+    w.on_reply(0, reply(lines=["x"]), 15.0, 1015)  # host 0 printed at t=15; host 1 quiet since 0
+    assert w.check(25.0, None) is None  # host 0 printed 10 s ago: not every host is stalled
+    assert w.check(35.0, None) == StopAll(Outcome.STALLED, "no output or heartbeat from any host for 20 s",
+                                          (0, 1), dump_stacks=True)
+    w2 = watch(2, deadline=100.0)
+    assert w2.check(100.0, None).outcome is Outcome.TIMEOUT
+    w3 = watch(2)
+    act = w3.check(1.0, signal.SIGTERM)
+    assert act.outcome is Outcome.INTERRUPTED and "SIGTERM" in act.why
+    a = w3.result("/l", 1.0, {})
+    assert (a.exit_code, a.signal) == (143, "SIGTERM")
+
+
+def test_a_heartbeat_counts_as_activity():
+    w = watch(1, stall_timeout_s=20.0)
+    w.on_reply(0, reply(activity=5.0), 19.0, 1019)  # no line, but the heartbeat file moved
+    assert w.check(30.0, None) is None
+    w.on_reply(0, reply(activity=5.0), 30.0, 1030)  # the same stamp again: no new sign of life
+    assert w.check(39.5, None) is not None
+
+
+def test_the_head_is_lost_after_three_refused_probes_in_a_row():
+    w = watch(3)
+    assert w.on_head_probe(False, 0) is None
+    assert w.on_head_probe(True, 0) is None  # an answer resets the count
+    assert w.on_head_probe(False, 0) is None and w.on_head_probe(False, 0) is None
+    act = w.on_head_probe(False, 0)
+    assert act.head_lost and act.outcome is Outcome.LOST and not w.pending
+    a = w.result("/l", 1.0, {})
+    assert a.first_failure.process_index == 0 and a.first_failure.cause is Cause.HEAD_LOST
+    assert a.hosts[2].reason == "stopped by tpulaunch (the Ray head was lost)"
+
+
+@pytest.mark.parametrize("code, text", [(3, "exit 3"), (137, "killed by signal 9 (SIGKILL)"),
+                                        (143, "killed by signal 15 (SIGTERM)"), (0, "exit 0"), (255, "exit 255")])
+def test_exit_reason(code, text):
+    assert exit_reason(code) == text
+
+
+def test_exit_codes_follow_the_readme_table():
+    h = HostResult(0, 0, 0, exit_code=7)
+    assert exit_code_for(Outcome.FAILED, h) == 7
+    assert exit_code_for(Outcome.FAILED, None) == 1
+    assert exit_code_for(Outcome.OK, None) == 0
+    assert exit_code_for(Outcome.LOST, h) == exit_code_for(Outcome.PREEMPTED, h) == 75
+    assert exit_code_for(Outcome.TIMEOUT, h) == exit_code_for(Outcome.STALLED, h) == 124
+    assert exit_code_for(Outcome.INTERRUPTED, None, signal.SIGINT) == 130
+    assert exit_code_for(Outcome.INTERRUPTED, None, signal.SIGTERM) == 143
+
+
+def test_first_failure_ignores_hosts_tpulaunch_stopped_and_breaks_ties_by_index():
+    hosts = [HostResult(0, 0, 0, exit_code=143, ended_at=5.0, stopped_by_tpulaunch=True),
+             HostResult(1, 0, 1, exit_code=2, ended_at=6.0), HostResult(2, 0, 2, exit_code=9, ended_at=6.0)]
+    assert first_failure(hosts).process_index == 1
+
+
+DUMP = """Process 1234: python -m tpulaunch.host.bootstrap /tmp/x.pkl
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 1234 (idle): "MainThread"
+    wait_forever (/home/u/hang.py:5)
+    <module> (/home/u/hang.py:7)
+    run_path (<frozen runpy>:291)
+Thread 1240 (idle): "Thread-1"
+    wait (threading.py:320)
+"""
+
+
+def test_stack_dumps_are_summed_up_by_where_each_host_is():
+    assert innermost_frame(DUMP) == "wait_forever (hang.py:5)"
+    assert innermost_frame("(the host process had already ended)") == "an unknown place (no Python stack)"
+    line = where_hosts_are({0: DUMP, 1: DUMP.replace("wait_forever", "barrier"), 3: DUMP})
+    assert line == "hosts 0,3: in wait_forever (hang.py:5); host 1: in barrier (hang.py:5)"

@@ -1,0 +1,51 @@
+"""Options several commands share, defined once (each command module uses what it needs)."""
+
+from __future__ import annotations
+
+import typer
+
+JSON = typer.Option(False, "--json", help="Print one JSON document on stdout.")
+
+# -- which slice --------------------------------------------------------------------------------
+TOPOLOGY = typer.Option(None, "--topology", "-t", help="Slice shape: 2x8 (2D) or 2x2x4 (3D).")
+ACCELERATOR = typer.Option(
+    None, "--accelerator", "-a",
+    help="Generation (v2 v3 v4 v5e v5p v6e v7x) or accelerator type (v4-32). A 2D shape alone means v6e.",
+)
+CHIPS_PER_HOST = typer.Option(
+    None, "--chips-per-host", help="Override chips per VM (4 for a two-VM v5e/v6e 2x4, as on GKE)."
+)
+NUM_SLICES = typer.Option(None, "--num-slices", help="Number of identical slices (multislice).")
+TPU = typer.Option(None, "--tpu", help="Cloud TPU node name: discover the slice through the Cloud TPU API.")
+QUEUED_RESOURCE = typer.Option(None, "--queued-resource", help="Queued resource name (its nodes form a multislice).")
+ZONE = typer.Option(None, "--zone", help="Zone (default: CLOUDSDK_COMPUTE_ZONE, then gcloud config compute/zone).")
+PROJECT = typer.Option(
+    None, "--project", help="Project (default: GOOGLE_CLOUD_PROJECT / CLOUDSDK_CORE_PROJECT, then gcloud config)."
+)
+FORCE = typer.Option(False, "--force", help="Go on even if the slice is not READY/HEALTHY.")
+
+# -- the mesh -----------------------------------------------------------------------------------
+MESH = typer.Option(
+    None, "--mesh", "-m",
+    help="Per-slice mesh NAME=SIZE,... (one size may be -1). Default: data over one host;"
+         " data=hosts,model=devices_per_host over several.",
+)
+DCN = typer.Option(None, "--dcn", help="Slices per axis across the data-centre network, e.g. data=2 (multislice).")
+
+# -- runs ---------------------------------------------------------------------------------------
+ENV = typer.Option(None, "--env", "-e", help="Extra KEY=VALUE for every host (repeatable).")
+HOSTS = typer.Option(None, "--hosts", help="Hosts whose output reaches the terminal: all (default), 0, 0,2.")
+KILL_STALE = typer.Option(
+    False, "--kill-stale", help="On TPU hosts, kill leftover processes holding the chips (and a stale libtpu lockfile)."
+)
+TIMEOUT = typer.Option(None, "--timeout", metavar="SECONDS",
+                       help="Wall clock for the whole run; then every host's stacks are dumped and it ends (exit 124).")
+STALL_TIMEOUT = typer.Option(None, "--stall-timeout", metavar="SECONDS",
+                             help="No output (or tpulaunch.heartbeat()) from any host for this long: dump stacks, exit 124.")
+MAX_RESTARTS = typer.Option(0, "--max-restarts", help="Relaunch the whole slice this many times after a host fails.")
+MAX_PREEMPTIONS = typer.Option(0, "--max-preemptions", help="Relaunch this many times after a host is lost or preempted.")
+PREEMPTION_WAIT = typer.Option(600.0, "--preemption-wait", metavar="SECONDS",
+                               help="How long to wait for the slice to be whole again after a lost host.")
+PREEMPTION_GRACE = typer.Option(30.0, "--preemption-grace", metavar="SECONDS",
+                                help="A preempted script's time between SIGTERM and SIGKILL (to save a checkpoint).")
+DRY_RUN = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, env, mesh) and start nothing.")

@@ -1,0 +1,56 @@
+"""What the driver and a host agent say to each other: frozen data, no Ray, no processes.
+
+The agent (`agent.py`) answers with these; the driver's supervision reads their fields. A
+simulated host (the scale harness) answers with the same types, so the supervision code cannot
+tell the difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    """How an agent runs this run's host process (the same for every host of a run)."""
+
+    cwd: str | None = None  # where the script runs: the driver's directory on emulated hosts
+    check_tpu: bool = False  # first make sure no leftover process holds the chips (real TPU hosts)
+    kill_stale: bool = False  # ... and clear them if one does
+    watch_preemption: bool = False  # ask the GCE metadata server for preemption notices
+    metadata_host: str | None = None  # that server (None: the default one)
+    preemption_grace_s: float = 30.0  # a preempted script's time between SIGTERM and SIGKILL
+
+
+@dataclass(frozen=True)
+class Started:
+    """The agent's answer to `start`."""
+
+    pid: int  # the host process, or -1 when it could not start (the next poll says why)
+    prewarmed: bool  # a spare process with the framework imported took the run
+    why: str  # why a spare did (not) take it, or why nothing started
+
+
+@dataclass(frozen=True)
+class PollReply:
+    """New output of a host and, once every line is out, its end."""
+
+    lines: tuple[tuple[str, str], ...]  # (stream, text)
+    code: int | None  # exit code (128+N for signal N) once the host process ended and its output is drained
+    wall_s: float  # seconds since the host process started (until it ended)
+    ended: float | None  # time.time() when it ended (the host's clock)
+    activity: float  # time.time() of the last sign of life: an output line or tpulaunch.heartbeat()
+    preempted: str | None = None  # why, when this host is going away (a notice, SIGTERM to the agent)
+    phases: dict = field(default_factory=dict)  # import_s, boot_s, mesh_s (from the bootstrap), at the end
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """Where an agent lives: node labels decide its process index, not scheduling order."""
+
+    node_id: str
+    node_ip: str
+    hostname: str
+    labels: dict
+    pid: int
+    spares: tuple[str, ...] = ()

@@ -1,0 +1,87 @@
+"""The environment a host process sees, derived from its `HostState` by one pure function.
+
+Nothing else in tpulaunch writes these variables: a restart or a spare process changes fields of
+the state, and the environment follows. `split_env` says which part stays from run to run on a
+host (a spare process started with it can take any run with the same) and which part each run or
+attempt changes (handed to the spare when it takes the run).
+
+What is pushed, and for whom:
+
+* `TPULAUNCH_*`: tpulaunch's own context (`tpulaunch.context()` reads the pickled state instead);
+* `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_*`: torch.distributed's `env://`;
+* `TPU_WORKER_ID`, `TPU_WORKER_HOSTNAMES`, `TPU_ACCELERATOR_TYPE`, `TPU_NAME`: libtpu, torch_xla
+  and JAX's GKE cluster detection; without a metadata server also `TPU_SKIP_MDS_QUERY`,
+  `TPU_TOPOLOGY` and the bounds (the fallback torch_xla and libtpu honour);
+* `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` for JAX;
+* `MEGASCALE_*` on multislice;
+* on emulated hosts the framework adapter's CPU settings (`Job.emulation_env`);
+* the user's `--env`, last, over everything.
+"""
+
+from __future__ import annotations
+
+from tpulaunch.plan.launch import HostState
+
+
+def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
+    """(what stays from run to run on this host, what this run and attempt set). Disjoint; the
+    user's `--env` is in the first part and wins over both."""
+    job, slot, ends = state.job, state.slot, state.endpoints
+    topo = job.mesh.topology
+    n = str(state.num_processes)
+    proc = str(slot.process_index)
+    static: dict[str, str] = {
+        "TPULAUNCH_PROCESS_INDEX": proc,
+        "TPULAUNCH_NUM_PROCESSES": n,
+        "TPULAUNCH_EMULATED": "1" if job.emulated else "0",
+        "TPULAUNCH_FRAMEWORK": job.framework,
+        "MASTER_ADDR": ends.host,
+        "RANK": proc,
+        "WORLD_SIZE": n,
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "TPU_WORKER_ID": str(slot.worker_id),
+        "TPU_WORKER_HOSTNAMES": ",".join(slot.slice_ips),
+        "TPU_ACCELERATOR_TYPE": topo.accelerator_type,
+        "TPU_NAME": slot.slice_name,
+        "PJRT_DEVICE": "TPU",
+        "PYTHONUNBUFFERED": "1",
+    }
+    per_run: dict[str, str] = {
+        "TPULAUNCH_RUN_ID": job.run_id,
+        "TPULAUNCH_RESTART_COUNT": str(state.attempt),
+        "TPULAUNCH_COORDINATOR_ADDRESS": ends.coordinator_address,
+        "TPULAUNCH_GROUP_ADDRESS": ends.group_address,
+        "MASTER_PORT": str(ends.master_port),
+    }
+    if not job.metadata_server:
+        static.update({
+            "TPU_SKIP_MDS_QUERY": "1",
+            "TPU_TOPOLOGY": topo.topology,
+            "TPU_HOST_BOUNDS": topo.bounds_str(topo.host_bounds),
+            "TPU_CHIPS_PER_HOST_BOUNDS": topo.bounds_str(topo.chips_per_host_bounds),
+        })
+    if ends.jax_address is not None:
+        per_run["JAX_COORDINATOR_ADDRESS"] = ends.jax_address
+        static.update({"JAX_NUM_PROCESSES": n, "JAX_PROCESS_ID": proc})
+    if state.num_slices > 1:
+        static.update({
+            "MEGASCALE_COORDINATOR_ADDRESS": ends.host,
+            "MEGASCALE_PORT": str(ends.megascale_port),
+            "MEGASCALE_NUM_SLICES": str(state.num_slices),
+            "MEGASCALE_SLICE_ID": str(slot.slice_index),
+        })
+    if job.emulated:
+        static.update(job.emulation_env)
+        if ends.emulation_port is not None:
+            per_run["TPULAUNCH_EMULATION_PORT"] = str(ends.emulation_port)
+    static.update(job.user_env)
+    for key in job.user_env:
+        per_run.pop(key, None)
+    return static, per_run
+
+
+def host_env(state: HostState) -> dict[str, str]:
+    """Every variable tpulaunch sets in the host process of `state`."""
+    static, per_run = split_env(state)
+    return {**static, **per_run}

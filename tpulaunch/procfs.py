@@ -1,0 +1,173 @@
+"""Processes on this machine, read from /proc, and the one way tpulaunch stops them.
+
+Every walk of /proc in tpulaunch goes through `processes()` and the readers beside it, and every
+stop is `stop()`: SIGTERM, a grace period, SIGKILL, a short wait. Nothing here decides *which*
+processes are to be stopped; callers do, from evidence they can name (a temp dir of theirs, a run
+id, recorded pids and start times).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+PROC = "/proc"
+
+
+@dataclass(frozen=True)
+class Process:
+    """What /proc says of one live process (read lazily: each reader may fail once it is gone)."""
+
+    pid: int
+
+    def read(self, part: str) -> bytes:
+        with open(f"{PROC}/{self.pid}/{part}", "rb") as f:
+            return f.read()
+
+    def cmdline(self) -> bytes:
+        """argv joined by NUL bytes (empty for a kernel thread or a process we may not read)."""
+        try:
+            return self.read("cmdline")
+        except OSError:
+            return b""
+
+    def environ(self) -> bytes:
+        """The environment it was started with, NUL-separated (empty when unreadable)."""
+        try:
+            return self.read("environ")
+        except OSError:
+            return b""
+
+    def env(self) -> dict[str, str] | None:
+        """Its starting environment as a dict; None when unreadable."""
+        try:
+            raw = self.read("environ")
+        except OSError:
+            return None
+        return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+    def open_files(self) -> list[str]:
+        """Targets of its open file descriptors (paths, `pipe:[..]`, `socket:[..]`)."""
+        out = []
+        try:
+            fds = os.listdir(f"{PROC}/{self.pid}/fd")
+        except OSError:
+            return out
+        for fd in fds:
+            try:
+                out.append(os.readlink(f"{PROC}/{self.pid}/fd/{fd}"))
+            except OSError:
+                continue
+        return out
+
+    def _stat(self) -> list[str]:
+        # the comm field may hold spaces and parentheses: split after the last ')'
+        return self.read("stat").decode(errors="replace").rsplit(")", 1)[1].split()
+
+    def state(self) -> str:
+        """One letter: R, S, D, Z (zombie), X (dead), ...; "" when gone."""
+        try:
+            return self._stat()[0]
+        except (OSError, IndexError):
+            return ""
+
+    def ppid(self) -> int | None:
+        try:
+            return int(self._stat()[1])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def start_ticks(self) -> int | None:
+        """When it started, in clock ticks since boot: with the pid, names one process for ever."""
+        try:
+            return int(self._stat()[19])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def name(self) -> str:
+        """Its command's name (argv[0] without the directory), for messages."""
+        argv0 = self.cmdline().split(b"\0", 1)[0].decode(errors="replace")
+        if argv0:
+            return os.path.basename(argv0)
+        try:
+            return self.read("comm").decode(errors="replace").strip()
+        except OSError:
+            return "?"
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie or a dead pid is not)."""
+    return Process(pid).state() not in ("", "Z", "X")
+
+
+def processes(skip_self: bool = True) -> Iterator[Process]:
+    """Every process on this machine (our own excepted), live or not yet reaped."""
+    me = os.getpid()
+    for entry in os.listdir(PROC):
+        if entry.isdigit() and not (skip_self and int(entry) == me):
+            yield Process(int(entry))
+
+
+def ancestors(pid: int | None = None) -> set[int]:
+    """`pid` (default: this process) and every process above it."""
+    out: set[int] = set()
+    p: int | None = pid or os.getpid()
+    while p and p > 1 and p not in out:
+        out.add(p)
+        p = Process(p).ppid()
+    return out
+
+
+def children_map() -> dict[int, list[int]]:
+    """ppid -> live child pids, from one walk of /proc."""
+    kids: dict[int, list[int]] = {}
+    for proc in processes(skip_self=False):
+        if proc.state() in ("", "Z", "X"):
+            continue
+        parent = proc.ppid()
+        if parent is not None:
+            kids.setdefault(parent, []).append(proc.pid)
+    return kids
+
+
+def descendants(pid: int, kids: dict[int, list[int]] | None = None) -> list[int]:
+    """Every live process below `pid` (not `pid` itself)."""
+    kids = children_map() if kids is None else kids
+    out, todo = [], list(kids.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def _send(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop(pids: Iterable[int] | Callable[[], Iterable[int]], grace_s: float = 3.0, kill_wait_s: float = 2.0) -> list[int]:
+    """SIGTERM, then SIGKILL whatever is still alive after `grace_s`; returns the pids left alive.
+
+    `pids` may be a function: it is asked again before SIGKILL, so processes that appeared in the
+    meantime (a child forked while its parent was dying) are stopped too.
+    """
+    find = pids if callable(pids) else (lambda fixed=list(pids): fixed)
+    first = [p for p in find() if alive(p)]
+    for pid in first:
+        _send(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(p) for p in first):
+        time.sleep(0.05)
+    rest = [p for p in set(first) | set(find()) if alive(p)]
+    for pid in rest:
+        _send(pid, signal.SIGKILL)
+    deadline = time.monotonic() + kill_wait_s
+    while time.monotonic() < deadline and any(alive(p) for p in rest):
+        time.sleep(0.05)
+    return [p for p in rest if alive(p)]

@@ -1,0 +1,183 @@
+"""The hosts of one attempt as the supervision loop sees them: the seam between it and Ray.
+
+`Fleet` is what supervision needs of the hosts: start them, hear from them (`events`), stop them,
+dump their stacks, release them. `RayFleet` does it with the host agents
+(one Ray actor per TPU host); a simulated fleet (the scale harness) does it with fakes that answer
+with the same typed replies, so the loop cannot tell the difference.
+
+`RayFleet` keeps one long poll in flight per running host. Each poll's completion is queued by a
+callback (`ObjectRef.future()`), so hearing from one of thousands of hosts costs no scan of the
+others. A dead agent or node is known as that host's loss (`node lost`, `agent died`), never
+mistaken for its peers'.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+from tpulaunch.host.protocol import HostOptions, PollReply, Started
+from tpulaunch.plan.launch import HostState
+from tpulaunch.run.summary import Cause
+
+LOST_AFTER_S = 30.0  # an agent that answers no poll for this long is lost
+MAX_LINES = 5000  # per poll reply
+
+
+@dataclass(frozen=True)
+class Reply:
+    host: int  # index into the attempt's hosts (= process index)
+    reply: PollReply
+
+
+@dataclass(frozen=True)
+class Gone:
+    host: int
+    cause: Cause
+    why: str
+
+
+Event = Reply | Gone
+
+
+class Fleet(Protocol):
+    def start(self, states: list[HostState], options: HostOptions, timeout_s: float) -> list[Started]:
+        """Hand every host its state; returns when all answered (or raises on the timeout)."""
+
+    def events(self, timeout_s: float) -> list[Event]:
+        """What the hosts said since the last call, waiting up to `timeout_s` for the first word."""
+
+    def stop(self, hosts: Iterable[int], grace_s: float) -> None:
+        """SIGTERM these hosts' processes (SIGKILL after `grace_s`); does not wait: their ends
+        (exit codes, last lines) arrive as events like any other."""
+
+    def dump_stacks(self, hosts: Iterable[int], timeout_s: float) -> dict[int, str]:
+        """py-spy dump of each host's process, without stopping it."""
+
+    def release(self, prewarm: list[HostState] | None) -> None:
+        """The attempt is over: each host forgets it; with `prewarm`, starts a spare for the next run."""
+
+
+class RayFleet:
+    """A Fleet of host agents (Ray actor handles, in process-index order)."""
+
+    def __init__(self, agents: list, raylets: list[str] | None = None, poll_wait_s: float = 1.0) -> None:
+        self.agents = agents
+        self.raylets = raylets or [""] * len(agents)
+        self.poll_wait_s = poll_wait_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_flight: set[int] = set()
+        self._done: set[int] = set()  # ended or gone: no more polls
+        self._unanswered_since: dict[int, float] = {}
+
+    def start(self, states: list[HostState], options: HostOptions, timeout_s: float) -> list[Started]:
+        import ray
+
+        refs = [a.start.remote(s, options) for a, s in zip(self.agents, states)]
+        started = ray.get(refs, timeout=timeout_s)
+        now = time.monotonic()
+        for i in range(len(self.agents)):
+            self._unanswered_since[i] = now
+            self._arm(i)
+        return started
+
+    def _arm(self, i: int) -> None:
+        if i in self._in_flight or i in self._done:
+            return
+        self._in_flight.add(i)
+        ref = self.agents[i].poll.remote(MAX_LINES, self.poll_wait_s)
+        ref.future().add_done_callback(lambda fut, i=i: self._queue.put((i, fut)))
+
+    def events(self, timeout_s: float) -> list[Event]:
+        import ray
+
+        out: list[Event] = []
+        try:
+            item = self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return out
+        items = [item]
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        now = time.monotonic()
+        for i, fut in items:
+            self._in_flight.discard(i)
+            try:
+                reply: PollReply = fut.result()
+            except ray.exceptions.ActorUnavailableError:
+                if now - self._unanswered_since[i] > LOST_AFTER_S:
+                    self._done.add(i)
+                    out.append(Gone(i, Cause.UNREACHABLE, f"agent unreachable for {LOST_AFTER_S:.0f} s"))
+                else:
+                    self._arm(i)
+                continue
+            except ray.exceptions.RayActorError as e:
+                self._done.add(i)
+                cause, why = self._why_dead(i, e)
+                out.append(Gone(i, cause, why))
+                continue
+            except Exception as e:  # noqa: BLE001 - anything else from the call: this host's, not its peers'
+                self._done.add(i)
+                out.append(Gone(i, Cause.AGENT_DIED, f"agent failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+                continue
+            self._unanswered_since[i] = now
+            if reply.code is not None:
+                self._done.add(i)
+            else:
+                self._arm(i)
+            out.append(Reply(i, reply))
+        return out
+
+    def _why_dead(self, i: int, err: Exception) -> tuple[Cause, str]:
+        """`node lost` when the agent's Ray node is gone (its raylet no longer answers), else
+        `agent died`. Ray's own error may not say yet: a killed raylet takes its workers with it
+        before the head has marked the node dead."""
+        if getattr(err, "preempted", False):
+            return Cause.NODE_LOST, "node preempted"
+        if "node has died" in str(err).lower():
+            return Cause.NODE_LOST, "node lost"
+        raylet = self.raylets[i]
+        if raylet and not reachable(raylet):
+            return Cause.NODE_LOST, "node lost"
+        return Cause.AGENT_DIED, "agent died"
+
+    def stop(self, hosts: Iterable[int], grace_s: float) -> None:
+        for i in hosts:
+            self.agents[i].terminate.remote(grace_s)
+
+    def dump_stacks(self, hosts: Iterable[int], timeout_s: float) -> dict[int, str]:
+        import ray
+
+        refs = {i: self.agents[i].dump_stacks.remote() for i in hosts}
+        out = {}
+        for i, ref in refs.items():
+            try:
+                out[i] = ray.get(ref, timeout=timeout_s)
+            except Exception as e:  # noqa: BLE001
+                out[i] = f"(no dump: {e})"
+        return out
+
+    def release(self, prewarm: list[HostState] | None) -> None:
+        import ray
+
+        refs = [a.release.remote(prewarm[i] if prewarm else None) for i, a in enumerate(self.agents)]
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=15)
+        except Exception:  # noqa: BLE001 - an agent lost with its node
+            pass
+
+
+def reachable(address: str, timeout: float = 1.0) -> bool:
+    """A TCP connect to `host:port` succeeds within `timeout`."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,40 @@
+"""`RunPaths`: the one authority for where a run's files go.
+
+    <log dir>/<run id>/
+        summary.json                      what happened (written once, at the end)
+        ray.log                           Ray's own output during the run
+        attempt-<k>/host-<i>.log          everything host i printed in attempt k
+        attempt-<k>/host-<i>.stacks.txt   py-spy dump of host i (timeouts, stalls)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path  # <log dir>/<run id>
+
+    @staticmethod
+    def of(log_dir: str | Path) -> "RunPaths":
+        """The paths of the run whose directory is `log_dir` (`LaunchPlan.job.log_dir`)."""
+        return RunPaths(Path(log_dir))
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def ray_log(self) -> Path:
+        return self.root / "ray.log"
+
+    def attempt(self, k: int) -> Path:
+        return self.root / f"attempt-{k}"
+
+    def host_log(self, k: int, process_index: int) -> Path:
+        return self.attempt(k) / f"host-{process_index}.log"
+
+    def host_stacks(self, k: int, process_index: int) -> Path:
+        return self.attempt(k) / f"host-{process_index}.stacks.txt"

@@ -1,0 +1,72 @@
+"""What to do after an attempt: the restart and preemption budgets as one pure function.
+
+`decide(attempt, budgets, spent)` looks only at the attempt's outcome and first failure, the
+budgets the user set and what is spent; `run.launch` carries the decision out (waits for the
+slice, relaunches, or ends the run). Tested over a table of cases with no cluster.
+
+* A failed host (non-zero exit) relaunches the whole slice while `--max-restarts` allows; exits
+  2 (bad input), 86 (boot failure) and 87 (TPU busy, without `--kill-stale`) never: a rerun would
+  fail the same way.
+* A lost or preempted host relaunches once the slice is whole again, while `--max-preemptions`
+  allows; not when the Ray head itself is gone (nothing left to relaunch on).
+* Success, timeouts, stalls and signals end the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from tpulaunch.errors import ExitCode
+from tpulaunch.run.summary import NEVER_RETRIED, Attempt, Cause, Outcome
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What the user allows (`--max-restarts`, `--max-preemptions`, `--kill-stale`)."""
+
+    max_restarts: int = 0
+    max_preemptions: int = 0
+    kill_stale: bool = False
+
+
+@dataclass(frozen=True)
+class Spent:
+    restarts: int = 0
+    preemptions: int = 0
+
+
+class Action(Enum):
+    FINISH = "finish"  # the run ends with this attempt's exit code
+    RESTART = "restart"  # relaunch the whole slice now
+    WAIT_FOR_SLICE = "wait-for-slice"  # relaunch once every host is back in Ray
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    spent: Spent
+    why: str | None = None  # FINISH: why the run was not retried (a budget spent, an exit never retried)
+
+
+def decide(attempt: Attempt, budgets: Budgets, spent: Spent) -> Decision:
+    """The next step after `attempt` (see the module docstring)."""
+    outcome, first = attempt.outcome, attempt.first_failure
+    if outcome in (Outcome.OK, Outcome.INTERRUPTED, Outcome.TIMEOUT, Outcome.STALLED):
+        return Decision(Action.FINISH, spent)
+    if outcome in (Outcome.LOST, Outcome.PREEMPTED):
+        if spent.preemptions >= budgets.max_preemptions:
+            return Decision(Action.FINISH, spent, _spent("--max-preemptions", budgets.max_preemptions))
+        if first is not None and first.cause is Cause.HEAD_LOST:
+            return Decision(Action.FINISH, spent, "the Ray head is gone with its node: no cluster to relaunch on")
+        return Decision(Action.WAIT_FOR_SLICE, replace(spent, preemptions=spent.preemptions + 1))
+    code = attempt.exit_code
+    if code in NEVER_RETRIED or (code == ExitCode.TPU_BUSY and not budgets.kill_stale):
+        return Decision(Action.FINISH, spent, f"exit {code} is never retried: a rerun would fail the same way")
+    if spent.restarts >= budgets.max_restarts:
+        return Decision(Action.FINISH, spent, _spent("--max-restarts", budgets.max_restarts))
+    return Decision(Action.RESTART, replace(spent, restarts=spent.restarts + 1))
+
+
+def _spent(flag: str, n: int) -> str | None:
+    return f"{flag} {n} spent" if n else None
