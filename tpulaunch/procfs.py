@@ -80,6 +80,13 @@ class Process:
         except (OSError, IndexError, ValueError):
             return None
 
+    def uid(self) -> int | None:
+        """The real user id it runs as; None when gone."""
+        try:
+            return os.stat(f"{PROC}/{self.pid}").st_uid
+        except OSError:
+            return None
+
     def start_ticks(self) -> int | None:
         """When it started, in clock ticks since boot: with the pid, names one process for ever."""
         try:

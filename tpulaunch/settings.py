@@ -12,9 +12,15 @@ import os
 from tpulaunch.errors import TpulaunchError
 
 
-def seconds(name: str, default: float) -> float:
-    """Seconds from environment variable `name` (unset or empty: `default`), finite and above 0."""
-    raw = os.environ.get(name, "").strip()
+# Read on the hosts (from the host's environment: the node's, or --env): checked on the driver too.
+HOST_SECONDS = {"TPULAUNCH_DIST_TIMEOUT": 300.0, "TPULAUNCH_JAX_INIT_TIMEOUT": 300.0,
+                "TPULAUNCH_JAX_SHUTDOWN_TIMEOUT": 30.0}
+
+
+def seconds(name: str, default: float, raw: str | None = None) -> float:
+    """Seconds from environment variable `name` (or `raw`, its value from elsewhere, e.g. --env),
+    unset or empty: `default`; else finite and above 0, or an error naming the variable."""
+    raw = (os.environ.get(name, "") if raw is None else raw).strip()
     if not raw:
         return default
     try:

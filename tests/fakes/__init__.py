@@ -4,7 +4,6 @@ executable on PATH for gcloud), and helpers to run the real `tpulaunch` command 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +22,14 @@ _SCRUB_PREFIXES = ("TPULAUNCH_", "GOOGLE_", "CLOUDSDK_", "GCE_", "FAKE_GCLOUD_",
 
 
 def closed_port() -> int:
-    """A local TCP port nothing listens on (bound then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A local TCP port nothing listens on now, free to be bound later (by a test's cluster).
+
+    Chosen as the product chooses ports it binds later (`cluster.ports`): below the kernel's
+    ephemeral range, so no outgoing connection of the machine takes it in the meantime (a port from
+    `bind(0)` is in that range: a fresh clone once failed with Ray's GCS "address already in use")."""
+    from tpulaunch.cluster.ports import free_port
+
+    return free_port()
 
 
 def cli_env(home: Path, *, gcloud: bool = False, **extra: str) -> dict[str, str]:

@@ -140,8 +140,10 @@ def test_up_status_idempotent_down(remote):
     token = Path(doc["token_path"]).read_text().strip()
     assert len(token) == 64
     assert stat.S_IMODE(os.stat(doc["token_path"]).st_mode) == 0o600
+    cid = json.loads((Path(env["TPULAUNCH_HOME"]) / "cluster.json").read_text())["cluster_id"]
     for w, c in starts:
         assert "RAY_AUTH_MODE=token" in c and "RAY_AUTH_TOKEN_PATH=" in c
+        assert f"TPULAUNCH_CLUSTER_ID={cid}" in c and "tpulaunch-cluster" in c  # its processes and temp dir are marked
         assert "cat > " in c and "umask 077" in c
         assert token not in c  # the secret went over stdin, never argv
         assert f"--node-ip-address 10.130.0.{w + 2}" in c  # the worker's internal IP from the API
@@ -226,8 +228,9 @@ def test_ssh_quoting_with_hostile_strings(tmp_path, monkeypatch):
 
     words = ray_remote.ray_start_words(python="/opt/my py/bin/python3", node_ip="10.0.0.2", temp_dir="/tmp/a b;c",
                                        port=6379, head=False, head_ip="10.0.0.1")
-    line = ray_remote.start_command(words)
-    assert shlex.split(line.split(" && ", 3)[3])[3:] == words  # after the token prefix and the 3 env words
+    line = ray_remote.start_command(words, "/tmp/a b;c", "abc123")
+    # after the token and the marker: the 3 auth words, the cluster id, then exactly the words
+    assert shlex.split(line.rsplit(" && ", 1)[1])[3:] == ["TPULAUNCH_CLUSTER_ID=abc123", *words]
     with pytest.raises(ValueError):
         gcloud.env_assignments({"A;B": "x"})
     with pytest.raises(Exception, match="not a TPU name"):

@@ -231,14 +231,14 @@ def test_host_agent_killed_is_a_lost_host(shared_cluster, workdir, tmp_path):
 
 @pytest.mark.cluster
 def test_stall_dumps_every_hosts_stack_and_names_where_it_hangs(shared_cluster, workdir, tmp_path):
-    launch = _shared(shared_cluster, workdir, tmp_path, "hang.py", "--stall-timeout", "20")
+    launch = _shared(shared_cluster, workdir, tmp_path, "hang.py", "--stall-timeout", "8")
     launch.wait_for(r"\] started", HOSTS)
     stalled_at = time.monotonic()
     rc, s = launch.finish()
     assert rc == 124 and s["outcome"] == "stalled"
-    assert time.monotonic() - stalled_at < 50, "exit 124 well under a minute past the stall"
-    assert "no output or heartbeat from any host for 20 s" in s["note"]
-    assert "host 2: in wait_forever (hang.py:6); hosts 0,1,3: in barrier (hang.py:10)" in s["note"]
+    assert time.monotonic() - stalled_at < 40, "exit 124 within seconds of the stall timeout"
+    assert "no output or heartbeat from any host for 8 s" in s["note"]
+    assert "hosts 0,1,3: in barrier (hang.py:10); host 2: in wait_forever (hang.py:6)" in s["note"]
     for h in s["hosts"]:
         stacks = Path(h["stacks"]).read_text()
         assert Path(h["stacks"]).parent == Path(s["attempts"][0]["log_dir"])
@@ -249,7 +249,7 @@ def test_stall_dumps_every_hosts_stack_and_names_where_it_hangs(shared_cluster, 
 
 @pytest.mark.cluster
 def test_wall_timeout(shared_cluster, workdir, tmp_path):
-    rc, s = _shared(shared_cluster, workdir, tmp_path, "sleepy.py", "--no-dist", "--timeout", "15").finish()
+    rc, s = _shared(shared_cluster, workdir, tmp_path, "sleepy.py", "--no-dist", "--timeout", "6").finish()
     assert rc == 124 and s["outcome"] == "timeout"
     assert "the run reached its --timeout" in s["note"] and "sleepy.py" in s["note"]
     for h in s["hosts"]:

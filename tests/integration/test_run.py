@@ -74,7 +74,7 @@ def test_allreduce_over_gloo_sums_process_indices(shared_cluster, workdir, tmp_p
 
 def test_script_args_env_and_workdir_reach_hosts(shared_cluster, workdir, tmp_path):
     proc = run_cli("run", "args.py", "--topology", "2x8", "--address", "auto", "--env", "MY_FLAG=on",
-                   "--hosts", "0", "--no-dist", "--log-dir", str(tmp_path), "--", "--lr", "0.1", "a b",
+                   "--hosts", "0", "--framework", "none", "--log-dir", str(tmp_path), "--", "--lr", "0.1", "a b",
                    cwd=workdir, env=shared_cluster["env"])
     assert proc.returncode == 0, proc.stderr
     assert "[host 0] ARGV ['--lr', '0.1', 'a b'] ENV on CWD_HAS_SCRIPT True" in proc.stdout
@@ -100,7 +100,7 @@ def test_recipe_transformer_loss_falls(shared_cluster, tmp_path):
 def test_sigint_stops_everything_and_exits_130(shared_cluster, workdir, tmp_path):
     """Ctrl-C during a run (test_faults covers it while a cluster starts, and SIGTERM)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tpulaunch", "run", "sleepy.py", "--topology", "2x8", "--no-dist", "--address", "auto",
+        [sys.executable, "-m", "tpulaunch", "run", "sleepy.py", "--topology", "2x8", "--framework", "none", "--address", "auto",
          "--log-dir", str(tmp_path / "runs")],
         cwd=workdir, env=shared_cluster["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -144,9 +144,10 @@ def test_exec_failure_gives_that_hosts_exit_code(shared_cluster, tmp_path):
 
 
 def test_emulated_multislice_trains(tmp_path):
-    """Two emulated v4 2x2x2 slices (2 hosts each) gang-scheduled together; the MLP recipe trains."""
+    """Two emulated v4 2x2x2 slices (2 hosts each) gang-scheduled together; the JAX MLP recipe trains
+    over both (one JAX runtime of 4 processes; the data axis spans the slices over DCN)."""
     env = cli_env(TPULAUNCH_HOME=str(tmp_path / "home"))
-    proc = run_cli("run", "recipes/mlp_dp.py", "--topology", "2x2x2", "--accelerator", "v4", "--num-slices", "2",
+    proc = run_cli("run", "recipes/jax_mlp.py", "--topology", "2x2x2", "--accelerator", "v4", "--num-slices", "2",
                    "--log-dir", str(tmp_path / "runs"), "--json", "--", "--steps", "12", cwd=REPO, env=env, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)

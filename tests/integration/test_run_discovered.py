@@ -11,7 +11,7 @@ from fakes.tpu_api_server import FakeTpuApi, standard_nodes, standard_queued_res
 from support import cli_env, run_cli
 
 SCRIPT = """
-    import tpulaunch, torch_xla
+    import tpulaunch
     ctx = tpulaunch.context()
     print("on", ctx.slice_name, ctx.accelerator_type, ctx.topology, "host", ctx.process_index, "emulated", ctx.emulated)
 """
@@ -36,7 +36,7 @@ def test_discovered_slice_is_emulated_when_no_cluster_is_given(tmp_path):
         assert "emulating the discovered slice my-v4 (v4-32, 2x2x4)" in dry.stderr
 
         run = run_cli("run", "where.py", "--tpu", "my-v4", "--zone", "us-central2-b", "--project", "p",
-                      "--no-dist", "--log-dir", str(tmp_path / "runs"), cwd=tmp_path, env=env, timeout=400)
+                      "--framework", "none", "--log-dir", str(tmp_path / "runs"), cwd=tmp_path, env=env, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "EMULATED slice" in run.stderr
     for i in range(4):

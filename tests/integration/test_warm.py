@@ -1,10 +1,13 @@
 """Warm hosts and kept clusters, end to end on an emulated v4 2x2x2 (2 hosts) of its own.
 
 `tpulaunch run --keep-cluster` leaves the cluster it started up; the next `tpulaunch run` (no
---address) takes it, and every host's spare process (torch_xla imported, runtime untouched) takes
-the run. A run whose environment differs from the spare's gets a fresh process and --debug says
-why. The reaper stops the kept cluster once it is idle, never while a run longer than the idle
-time is still using it.
+--address) takes it, and every host's spare process takes the run. A run whose environment
+differs from the spare's gets a fresh process and --debug says why. The reaper stops the kept
+cluster once it is idle, never while a run longer than the idle time is still using it.
+
+The runs boot no framework (`--framework none`): spares are taken or not by the same rule whatever
+they imported, and torch_xla spares (`cluster up --prewarm torch_xla`) serve every torch_xla test
+on the shared cluster.
 """
 
 from __future__ import annotations
@@ -22,22 +25,24 @@ HELLO = """
     import os
     import time
 
-    import torch_xla.runtime as xr
+    import tpulaunch
 
     p = argparse.ArgumentParser()
     p.add_argument("--sleep", type=float, default=0.0)
     args = p.parse_args()
-    print(f"host {xr.process_index()} of {xr.process_count()} worker {os.environ['TPU_WORKER_ID']}"
+    ctx = tpulaunch.context()
+    print(f"host {ctx.process_index} of {ctx.num_processes} worker {os.environ['TPU_WORKER_ID']}"
           f" extra {os.environ.get('EXTRA', '-')}", flush=True)
     time.sleep(args.sleep)
 """
 
-IDLE_S = 5  # shorter than the first run and than the reaper's check interval: it must wait for the run
+IDLE_S = 3  # shorter than the first run: the reaper (checking every second here) must wait for it
 
 
 def _run(work, home, log, *flags: str, script_args: tuple[str, ...] = (), debug: bool = False):
     return run_cli(*(["--debug"] if debug else []), "run", "hello.py", "--topology", "2x2x2", "--accelerator", "v4",
-                   "--log-dir", str(log), *flags, "--", *script_args, cwd=work, env=cli_env(TPULAUNCH_HOME=str(home)), timeout=300)
+                   "--framework", "none", "--log-dir", str(log), *flags, "--", *script_args, cwd=work,
+                   env=cli_env(TPULAUNCH_HOME=str(home)), timeout=300)
 
 
 def _hosts_said(out: str) -> list[tuple[int, int, int, str]]:
@@ -47,7 +52,7 @@ def _hosts_said(out: str) -> list[tuple[int, int, int, str]]:
 
 @pytest.mark.cluster
 def test_kept_cluster_is_warm_for_the_next_run_and_reaped_once_idle(tmp_path):
-    from tpulaunch.cluster.processes import cluster_pids
+    from tpulaunch.cluster.processes import dir_pids as cluster_pids
 
     work = write_scripts(tmp_path, {"hello.py": HELLO})
     home = tmp_path / "home"
@@ -55,7 +60,7 @@ def test_kept_cluster_is_warm_for_the_next_run_and_reaped_once_idle(tmp_path):
 
     # 1. starts its own cluster, keeps it; runs longer than the idle time (the reaper must wait)
     first = _run(work, home, logs / "1", "--keep-cluster", "--idle-timeout", str(IDLE_S),
-                 script_args=("--sleep", str(IDLE_S + 12)))
+                 script_args=("--sleep", str(IDLE_S + 5)))
     assert first.returncode == 0, first.stderr[-3000:]
     assert "kept the emulated cluster" in first.stderr and "tpulaunch cluster down" in first.stderr
     assert "cluster_start_s" in last_summary(logs / "1")["timings"]

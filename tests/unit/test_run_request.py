@@ -166,9 +166,9 @@ def test_context_is_a_view_of_the_host_state_with_torch_names_too():
 @pytest.mark.parametrize("args, needle", [
     (["--num-slices", "0"], "--num-slices 0 is not a number of slices"),
     (["--num-slices", "-1"], "--num-slices -1 is not a number of slices"),
-    (["--schedule-timeout", "-5"], "--schedule-timeout -5 is not positive"),
+    (["--schedule-timeout", "-5"], "--schedule-timeout -5 is not a positive number"),
     (["--schedule-timeout", "soon"], "Invalid value for '--schedule-timeout'"),
-    (["--max-upload-mb", "0"], "--max-upload-mb 0 is not positive"),
+    (["--max-upload-mb", "0"], "--max-upload-mb 0 is not a positive number"),
     (["--no-such-flag"], "No such option: --no-such-flag"),
 ])
 def test_bad_numbers_are_one_line_and_exit_2(workdir, args, needle):

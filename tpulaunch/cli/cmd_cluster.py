@@ -10,7 +10,7 @@ from rich.table import Table
 from tpulaunch import discover
 from tpulaunch.cluster import emulated
 from tpulaunch.cluster.connect import connect, disconnect, resolve_address
-from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, save_record
+from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, record_path, save_record
 from tpulaunch.cli import app
 from tpulaunch.cli import cmd_cluster_remote as remote
 from tpulaunch.cli import options as opt
@@ -37,7 +37,8 @@ def up(
     tpu: Optional[str] = typer.Option(None, "--tpu", help="A real TPU VM slice (node name): bring Ray up on its workers over gcloud ssh."),
     zone: Optional[str] = opt.ZONE,
     project: Optional[str] = opt.PROJECT,
-    port: int = typer.Option(remote.RAY_PORT_DEFAULT, "--port", help="--tpu: the Ray head's GCS port on worker 0."),
+    port: int = typer.Option(remote.RAY_PORT_DEFAULT, "--port", min=1, max=65535,
+                             help="--tpu: the Ray head's GCS port on worker 0."),
     remote_python: str = typer.Option(remote.REMOTE_PYTHON_DEFAULT, "--remote-python",
                                       help="--tpu: the Python on the TPU VMs that has Ray installed."),
     ray_temp_dir: Optional[str] = typer.Option(None, "--ray-temp-dir",
@@ -167,18 +168,63 @@ def env(
 
 
 @cluster_app.command("down")
-def down(json_out: bool = opt.JSON) -> None:
-    """Stop the cluster `tpulaunch cluster up` started (only its processes)."""
+def down(
+    force: bool = typer.Option(False, "--force",
+                               help="Also stop every cluster tpulaunch started on this machine, found by its markers"
+                                    " (when the record is gone or unreadable)."),
+    json_out: bool = opt.JSON,
+) -> None:
+    """Stop the cluster `tpulaunch cluster up` started (only its processes).
+
+    Only what tpulaunch can prove it started is stopped or deleted: the processes carrying the
+    cluster's id, and its temp dir if the dir is marked for it. A record naming anything else is
+    refused (exit 6). `--force` needs no record: it finds tpulaunch's clusters here by their markers.
+    """
     out = Output(json_mode=json_out)
+    if force:
+        _down_force(out, json_out)
+        return
     rec = load_record()
     if rec is None:
-        raise ClusterError("no cluster is recorded as up", "nothing to stop (`tpulaunch cluster up` starts one)")
+        raise ClusterError("no cluster is recorded as up", "nothing to stop (`tpulaunch cluster up` starts one;"
+                                                           " `cluster down --force` finds unrecorded ones)")
     if rec.remote:
         remote.down_remote(out, rec, json_out)
         return
-    n = emulated.stop_cluster(rec)
+    n = emulated.stop_cluster(rec, record=str(record_path()))
     clear_record()
     if json_out:
         out.json({"schema": "tpulaunch.cluster-down/v1", "address": rec.address, "processes_stopped": n})
     else:
         out.line(f"cluster {rec.address} stopped ({n} processes)")
+
+
+def _down_force(out: Output, json_out: bool) -> None:
+    """Every cluster of ours on this machine, by marker; the record goes too (readable or not)."""
+    from tpulaunch.cluster import ownership
+
+    try:
+        rec = load_record()
+    except TpulaunchError as e:
+        out.warn(f"{e.message}: removing it")
+        rec = None
+    if rec is not None and rec.remote:
+        raise ClusterError(f"the recorded cluster runs on TPU '{rec.remote['tpu']}', not here",
+                           "`tpulaunch cluster down` (without --force) stops it over gcloud ssh")
+    stopped = []
+    for orphan in ownership.find_orphans():
+        n = emulated.stop_owned(orphan.cluster_id, orphan.temp_dir)
+        stopped.append({"cluster_id": orphan.cluster_id, "temp_dir": orphan.temp_dir, "processes_stopped": n})
+    path = record_path()
+    if path.is_dir() and not path.is_symlink():
+        import shutil
+
+        shutil.rmtree(path)
+    clear_record()
+    if json_out:
+        out.json({"schema": "tpulaunch.cluster-down/v1", "force": True, "clusters": stopped})
+    elif not stopped:
+        out.line("no cluster of tpulaunch's runs on this machine")
+    else:
+        for c in stopped:
+            out.line(f"cluster {c['cluster_id']} ({c['temp_dir'] or 'temp dir gone'}) stopped ({c['processes_stopped']} processes)")

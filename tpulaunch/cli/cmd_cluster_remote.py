@@ -7,6 +7,7 @@ line per host state change in a pipe, `--json`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -19,7 +20,7 @@ from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, sav
 from tpulaunch.host import tpu_holders
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
-from tpulaunch.errors import ClusterError, DiscoveryError, ExitCode
+from tpulaunch.errors import ClusterError, DiscoveryError, ExitCode, TpulaunchError
 
 RAY_PORT_DEFAULT = 6379
 REMOTE_PYTHON_DEFAULT = "python3"
@@ -118,7 +119,7 @@ def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
 def register(cluster_app: typer.Typer) -> None:
     @cluster_app.command("join")
     def join(
-        port: int = typer.Option(RAY_PORT_DEFAULT, "--port", help="The Ray head's GCS port on worker 0."),
+        port: int = typer.Option(RAY_PORT_DEFAULT, "--port", min=1, max=65535, help="The Ray head's GCS port on worker 0."),
         timeout: float = typer.Option(300.0, "--timeout", metavar="S", help="Give up after S seconds without a head."),
         token_file: Optional[Path] = typer.Option(None, "--token-file",
                                                   help="The cluster's Ray auth token (default ~/.tpulaunch/ray_token)."),
@@ -136,6 +137,8 @@ def register(cluster_app: typer.Typer) -> None:
         from tpulaunch.cluster.remote import join_local
 
         out = Output(json_mode=json_out)
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise TpulaunchError(f"--timeout {timeout:g} is not a positive number of seconds", "e.g. --timeout 300")
         local = discover.local_host()
         if local is None:
             raise DiscoveryError("this is not a TPU VM (no TPU devices, no TPU metadata)",

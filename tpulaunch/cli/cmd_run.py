@@ -42,12 +42,25 @@ class TerminalSink:
 
 
 def parse_hosts(value: str | None) -> set[int] | None:
-    if value is None or value == "all":
+    """`--hosts`: None for all; otherwise host numbers (checked against the slice by `check_hosts`)."""
+    if value is None or value.strip() == "all":
         return None
+    hint = "write --hosts 0 or --hosts 0,2 or --hosts all"
     try:
-        return {int(v) for v in value.split(",") if v.strip()}
+        chosen = {int(v) for v in value.split(",") if v.strip()}
     except ValueError:
-        raise LaunchError(f"--hosts '{value}' is not a list of host numbers", "write --hosts 0 or --hosts 0,2 or --hosts all") from None
+        raise LaunchError(f"--hosts '{value}' is not a list of host numbers", hint) from None
+    if not chosen:
+        raise LaunchError("--hosts is empty", hint)
+    return chosen
+
+
+def check_hosts(chosen: set[int] | None, hosts: int) -> None:
+    """Every host `--hosts` names is one of the run's (else no host output would ever show)."""
+    outside = sorted(h for h in chosen or () if not 0 <= h < hosts)
+    if outside:
+        raise LaunchError(f"--hosts {','.join(map(str, outside))}: the run has hosts 0-{hosts - 1}",
+                          "name hosts of this slice, or --hosts all")
 
 
 def report(out: Output, summary: RunSummary, sink: TerminalSink | None = None) -> None:
@@ -131,6 +144,7 @@ def run_cmd(
     schedule_timeout: float = typer.Option(120.0, "--schedule-timeout", help="Seconds to wait for Ray to give us the whole slice."),
     max_upload_mb: float = typer.Option(100.0, "--max-upload-mb", help="Refuse to ship a working directory larger than this."),
     kill_stale: bool = opt.KILL_STALE,
+    keep_children: bool = opt.KEEP_CHILDREN,
     timeout: Optional[float] = opt.TIMEOUT,
     stall_timeout: Optional[float] = opt.STALL_TIMEOUT,
     max_restarts: int = opt.MAX_RESTARTS,
@@ -161,7 +175,7 @@ def run_cmd(
         slices=discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host, tpu=tpu,
                                      queued_resource=queued_resource, zone=zone, project=project, num_slices=num_slices,
                                      dcn=dcn, force=force),
-        mesh=mesh, framework=framework, env=tuple(env or ()), kill_stale=kill_stale, address=address,
+        mesh=mesh, framework=framework, env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, address=address,
         distributed=not no_dist, log_dir=log_dir, workdir=workdir, schedule_timeout=schedule_timeout,
         max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout, max_restarts=max_restarts,
         max_preemptions=max_preemptions, preemption_wait=preemption_wait, preemption_grace=preemption_grace,
@@ -178,6 +192,7 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     conn = run.Connection(target, run.shipped_workdir(req))
     try:
         prep = run.prepare(req, target, conn.cluster_slices(req), conn.runtime_env)
+        check_hosts(show, len(prep.plan.hosts))
     except BaseException:
         conn.close()
         raise

@@ -48,4 +48,8 @@ PREEMPTION_WAIT = typer.Option(600.0, "--preemption-wait", metavar="SECONDS",
                                help="How long to wait for the slice to be whole again after a lost host.")
 PREEMPTION_GRACE = typer.Option(30.0, "--preemption-grace", metavar="SECONDS",
                                 help="A preempted script's time between SIGTERM and SIGKILL (to save a checkpoint).")
+KEEP_CHILDREN = typer.Option(
+    False, "--keep-children",
+    help="Leave processes a host's script started (servers, daemons) running after it exits; by default they"
+         " are stopped with it (and named).")
 DRY_RUN = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, env, mesh) and start nothing.")

@@ -16,23 +16,42 @@ from pathlib import Path
 from typing import Iterator
 
 from tpulaunch import settings
-from tpulaunch.cluster.processes import cluster_pids
-from tpulaunch.cluster.record import ClusterInfo, load_record
-from tpulaunch.errors import ClusterError
+from tpulaunch.cluster.processes import dir_pids
+from tpulaunch.cluster.record import ClusterInfo, check_token_file, load_record
+from tpulaunch.errors import ClusterError, TpulaunchError
+
+
+def check_address(value: str, source: str) -> str:
+    """`auto`, `HOST:PORT` or `ray://HOST:PORT`, else a usage error naming where it came from."""
+    if value == "auto":
+        return value
+    host, sep, port = value.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in value):
+        raise TpulaunchError(f"{source} '{value}' is not HOST:PORT",
+                             "write it as 10.0.0.2:6379, ray://HOST:PORT or auto" + (
+                                 " (or unset RAY_ADDRESS)" if source == "RAY_ADDRESS" else ""))
+    return value
 
 
 def resolve_address(address: str | None) -> ClusterInfo | None:
     """`--address`: None (nothing asked), `auto`, `HOST:PORT`, `ray://...`.
 
-    `auto` means: `RAY_ADDRESS`, else the cluster `tpulaunch cluster up` left running.
+    With no `--address`, `RAY_ADDRESS` is used if set. `auto` means: `RAY_ADDRESS`, else the
+    cluster `tpulaunch cluster up` left running. A malformed value is a usage error naming the
+    flag or the variable it came from.
     """
+    if address is not None and not address.strip():
+        raise TpulaunchError("--address is empty", "give auto, HOST:PORT or ray://HOST:PORT, or leave it out to emulate")
+    env_address = os.environ.get("RAY_ADDRESS", "").strip() or None
     if address is None:
-        address = os.environ.get("RAY_ADDRESS") or None
-        if address is None:
+        if env_address is None:
             return None
+        address = check_address(env_address, "RAY_ADDRESS")
+    else:
+        address = check_address(address.strip(), "--address")
     if address == "auto":
-        if os.environ.get("RAY_ADDRESS"):
-            return ClusterInfo(address=os.environ["RAY_ADDRESS"], temp_dir=None,
+        if env_address:
+            return ClusterInfo(address=check_address(env_address, "RAY_ADDRESS"), temp_dir=None,
                                token_path=os.environ.get("RAY_AUTH_TOKEN_PATH"), emulated=False)
         rec = load_record()
         if rec is not None and rec.running_here:
@@ -56,7 +75,7 @@ def _local_ray_address() -> ClusterInfo | None:
     candidates = sorted(Path("/tmp").glob("tpl-*/ray_current_cluster")) + [Path("/tmp/ray/ray_current_cluster")]
     # Emulated clusters (they keep their token inside their temp dir) belong to whoever started them.
     live = [p for p in candidates
-            if p.exists() and not (p.parent / "auth_token").exists() and cluster_pids(str(p.parent))]
+            if p.exists() and not (p.parent / "auth_token").exists() and dir_pids(str(p.parent))]
     if len(live) != 1:
         return None
     token = Path.home() / ".tpulaunch" / "ray_token"
@@ -85,7 +104,7 @@ def probe(address: str, timeout: float) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except ValueError:
-        raise ClusterError(f"--address {address} is not HOST:PORT", "write it as 10.0.0.2:6379, ray://HOST:PORT or auto") from None
+        raise TpulaunchError(f"'{address}' is not HOST:PORT", "write it as 10.0.0.2:6379, ray://HOST:PORT or auto") from None
     except OSError as e:
         if isinstance(e, (socket.timeout, TimeoutError)):
             why = f"no answer within {timeout:g} s"
@@ -105,6 +124,8 @@ def connect(info: ClusterInfo, runtime_env: dict | None = None, timeout: float |
     if "ray" in sys.modules and info.token_path and os.environ.get("RAY_AUTH_TOKEN_PATH") != info.token_path:
         raise ClusterError("internal: Ray was imported before its auth token was set", "report this bug")
     deadline = time.monotonic() + timeout
+    if info.token_path:
+        check_token_file(info.token_path, "the cluster's token file")
     probe(info.address, min(timeout, 5.0))
     for k, v in info.ray_env().items():
         os.environ[k] = v
@@ -122,9 +143,17 @@ def connect(info: ClusterInfo, runtime_env: dict | None = None, timeout: float |
             outcome["error"] = e
 
     t = threading.Thread(target=init, name="tpulaunch-ray-init", daemon=True)
-    t.start()
-    while t.is_alive() and time.monotonic() < deadline:
-        t.join(0.2)
+    with _RaysStderr() as said:
+        t.start()
+        while t.is_alive() and time.monotonic() < deadline and not said.rejected():
+            t.join(0.2)
+            said.pump()
+    if said.rejected():
+        _ABANDONED.append(t)
+        which = f"the token in {info.token_path}" if info.token_path else "no token (RAY_AUTH_TOKEN_PATH is not set)"
+        raise ClusterError(f"the Ray cluster at {info.address} refused {which}: it is not this cluster's token",
+                           "use the token the cluster was started with (`eval \"$(tpulaunch cluster env)\"` on its"
+                           " machine shows where it is)")
     if t.is_alive():
         _ABANDONED.append(t)
         raise ClusterError(f"Ray at {info.address} did not accept the connection within {timeout:g} s",
@@ -133,6 +162,55 @@ def connect(info: ClusterInfo, runtime_env: dict | None = None, timeout: float |
     if e is not None:
         first = str(e).splitlines()[0] if str(e) else ""
         raise ClusterError(f"cannot connect to Ray at {info.address}: {type(e).__name__}: {first}", _HINT) from e
+
+
+class _RaysStderr:
+    """While Ray connects: what its C++ core writes to fd 2 passes through a pipe we read, so a
+    refused token (`InvalidAuthToken`, which Ray retries for as long as it is let, a warning a
+    second) ends the wait at once with a line that says so. What was read goes on to the real
+    fd 2, unless that is a terminal: then to `ray-driver.log` in the state dir (Ray's chatter never
+    reaches a terminal)."""
+
+    REFUSED = b"InvalidAuthToken"
+
+    def __enter__(self) -> "_RaysStderr":
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        if os.isatty(self.saved):
+            from tpulaunch.cluster.record import state_dir
+
+            self.sink = os.open(state_dir() / "ray-driver.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        else:
+            self.sink = os.dup(self.saved)
+        self.r, w = os.pipe()
+        os.dup2(w, 2)
+        os.close(w)
+        os.set_blocking(self.r, False)
+        self.tail = b""
+        self.refused = False
+        return self
+
+    def pump(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.r, 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            os.write(self.sink, chunk)
+            self.refused = self.refused or self.REFUSED in self.tail + chunk
+            self.tail = chunk[-len(self.REFUSED):]
+
+    def rejected(self) -> bool:
+        return self.refused
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)  # Ray's threads write to fd 2: from now on the real one again
+        self.pump()
+        for fd in (self.r, self.saved, self.sink):
+            os.close(fd)
 
 
 _GONE: list[bool] = []  # the cluster's head is gone: no Ray call can return

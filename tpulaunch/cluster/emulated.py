@@ -9,8 +9,9 @@ the resources and labels it puts on real TPU hosts (`TPU`, `<slice name>`,
 
 Every node of an emulated cluster uses a loopback node address (127.0.0.2: Ray rewrites
 127.0.0.1 to the machine's external IP) and token authentication with a fresh token stored
-owner-only. Each cluster gets its own Ray temp dir; stopping a cluster kills exactly the
-processes that belong to that temp dir and nothing else (`processes.py`).
+owner-only. Each cluster gets its own Ray temp dir and a random id (`ownership.py`): the temp dir's
+marker and the environment of every process of the cluster carry it, and stopping a cluster stops
+exactly the processes that carry its id, after checking its temp dir is the one it marked.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from typing import Callable
 
+from tpulaunch import procfs
+from tpulaunch.cluster import ownership
 from tpulaunch.cluster.ports import free_ports
-from tpulaunch.cluster.processes import stop_processes
 from tpulaunch.cluster.record import ClusterInfo
-from tpulaunch.errors import ClusterError
+from tpulaunch.errors import ClusterError, LaunchError
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.plan.topology import Topology
 
@@ -141,7 +143,30 @@ def _base_env(info: ClusterInfo) -> dict[str, str]:
     env.update(info.ray_env())  # token auth, and Ray's background work kept low (QUIET_RAY)
     env.update(FAST_HEALTH_CHECKS)
     env["RAY_prestart_worker_first_driver"] = "0"
+    assert info.cluster_id
+    env[ownership.ID_ENV] = info.cluster_id  # every process of the cluster carries it (how it is stopped)
     return env
+
+
+NODE_MEMORY_BYTES = 320 * 1024 * 1024  # what one emulated host's Ray processes hold, about (measured: 250-300 MiB)
+
+
+def max_emulated_hosts() -> int:
+    """How many emulated hosts this machine can hold: one Ray node each (raylet, agents, a worker)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 * 1024**3
+    return max(1, min(256, total // NODE_MEMORY_BYTES))
+
+
+def check_capacity(hosts: int) -> None:
+    """Refuse an emulated slice this machine cannot hold, before anything starts."""
+    limit = max_emulated_hosts()
+    if hosts > limit:
+        raise LaunchError(f"emulating {hosts} hosts needs {hosts} Ray nodes on this machine, which holds about {limit}"
+                          f" ({NODE_MEMORY_BYTES // 2**20} MiB each)",
+                          "emulate fewer or smaller slices (--num-slices, --topology), or run on a real cluster (--address)")
 
 
 def start_emulated(
@@ -156,14 +181,16 @@ def start_emulated(
     worker output to drivers, and the head runs the Ray Client server and the autoscaler monitor.
     """
     say = progress or (lambda _m: None)
-    temp_dir = tempfile.mkdtemp(prefix="tpl-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    hosts = [(s, w) for s in slices for w in range(topology.num_hosts)]
+    check_capacity(len(hosts))
+    cluster_id = ownership.new_cluster_id()
+    temp_dir = ownership.make_temp_dir(cluster_id)
     token_path = os.path.join(temp_dir, "auth_token")
     fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
     info = ClusterInfo(address="", temp_dir=temp_dir, token_path=token_path, emulated=True,
-                       slices=[s.to_dict() for s in slices], log_monitor=log_monitor)
-    hosts = [(s, w) for s in slices for w in range(topology.num_hosts)]
+                       slices=[s.to_dict() for s in slices], log_monitor=log_monitor, cluster_id=cluster_id)
     ports = free_ports(9 * len(hosts))
     nodes = [node_spec(info, s, topology, w, ports[9 * i:9 * i + 9], head=i == 0, dashboard=dashboard)
              for i, (s, w) in enumerate(hosts)]
@@ -198,11 +225,22 @@ def restart_hosts(info: ClusterInfo, topology: Topology, missing: list[tuple[str
                         for k, (name, worker) in enumerate(missing)])
 
 
-def stop_cluster(info: ClusterInfo, grace_s: float = 1.0) -> int:
-    """Stop every process of an emulated cluster; returns how many were running.
+def stop_cluster(info: ClusterInfo, grace_s: float = 1.0, record: str = "(in memory)") -> int:
+    """Stop every process of an emulated cluster and remove its temp dir; returns how many ran.
 
-    A short grace: nothing of an emulated cluster needs a graceful exit, and Ray's processes that
-    ignore SIGTERM for seconds would only hold the launcher up (SIGKILL follows)."""
-    if not info.temp_dir:
-        return 0
-    return stop_processes(info.temp_dir, grace_s)
+    Only after `ownership.check_temp_dir` proved the dir is the one this cluster marked (StateError
+    otherwise: nothing is touched). A short grace: nothing of an emulated cluster needs a graceful
+    exit, and Ray's processes that ignore SIGTERM for seconds would only hold the launcher up."""
+    temp_dir = ownership.check_temp_dir(info.temp_dir, info.cluster_id, record)
+    assert info.cluster_id
+    return stop_owned(info.cluster_id, temp_dir, grace_s)
+
+
+def stop_owned(cluster_id: str, temp_dir: str | None, grace_s: float = 1.0) -> int:
+    """Stop the processes carrying `cluster_id`, then remove `temp_dir` if it is still marked for it."""
+    verified = temp_dir if temp_dir and ownership.marker_id(temp_dir) == cluster_id else None
+    pids = ownership.cluster_pids(cluster_id, verified)
+    procfs.stop(lambda: ownership.cluster_pids(cluster_id, verified), grace_s)
+    if verified:
+        shutil.rmtree(verified, ignore_errors=True)
+    return len(pids)

@@ -1,40 +1,31 @@
-"""The local processes of one Ray cluster, found by its temp dir, and of one run, found by its id.
+"""Local processes found by what they name: a directory (`dir_pids`), a run (`run_pids`).
 
-Each cluster tpulaunch starts on this machine gets its own Ray temp dir; a process belongs to the
-cluster when its argv, its environment or one of its open files names that dir. Stopping by
-that rule ends exactly one cluster's processes (never another Ray the user runs).
+Which processes a *cluster* has, and so which `cluster down` may stop, is `ownership.py`'s rule;
+this module only reads /proc and stops the host processes of one run.
 """
 
 from __future__ import annotations
 
-import shutil
+import os
 
 from tpulaunch import procfs
 from tpulaunch.plan.launch import run_marker
 
 
-def cluster_pids(temp_dir: str) -> list[int]:
-    """Processes of the Ray cluster living in `temp_dir`.
-
-    Most name it in argv; some (Ray's client server) only inherit it in their environment
-    (`RAY_AUTH_TOKEN_PATH` points into it), and Ray's agents rename their argv but keep their
-    log files in it open.
-    """
-    needle = temp_dir.encode()
-    out = []
-    for proc in procfs.processes():
-        if (needle in proc.cmdline() or needle in proc.environ()
-                or any(f.startswith(temp_dir) for f in proc.open_files())):
-            out.append(proc.pid)
-    return out
+def names_dir(proc: procfs.Process, path: str) -> bool:
+    """`proc` names `path` as an argument or holds a file open inside it, path component by path
+    component (`/tmp/tpl-ab` never matches `/tmp/tpl-abc`)."""
+    inside = path.rstrip("/") + "/"
+    args = [a.decode(errors="replace") for a in proc.cmdline().split(b"\0")]
+    if any(a == inside[:-1] or a.startswith(inside) for a in args):
+        return True
+    return any(f.startswith(inside) for f in proc.open_files())
 
 
-def stop_processes(temp_dir: str, grace_s: float = 5.0) -> int:
-    """Stop every process of the cluster living in `temp_dir`, then remove it; returns how many ran."""
-    pids = cluster_pids(temp_dir)
-    procfs.stop(lambda: cluster_pids(temp_dir), grace_s)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-    return len(pids)
+def dir_pids(path: str) -> list[int]:
+    """Live processes of this user naming `path` (see `names_dir`); a read, never a reason to stop."""
+    me = os.getuid()
+    return [p.pid for p in procfs.processes() if procfs.alive(p.pid) and p.uid() == me and names_dir(p, path)]
 
 
 def run_pids(run_id: str) -> list[int]:

@@ -1,6 +1,6 @@
 """Stop a kept emulated cluster once no run has used it for a while (`tpulaunch run --keep-cluster`).
 
-    python -m tpulaunch.cluster.reaper HEX(TEMP_DIR) IDLE_SECONDS
+    python -m tpulaunch.cluster.reaper HEX(TEMP_DIR) CLUSTER_ID IDLE_SECONDS
 
 A detached process on this machine. Every run on the cluster touches `<temp dir>/last_used`; when
 that is older than the idle time and no run is under way, the reaper stops the cluster's processes
@@ -8,9 +8,9 @@ and forgets its record. A run counts as under way while its launcher lives: it l
 `<temp dir>/tpulaunch-runs/` for as long as it uses the cluster, so a training run longer than
 the idle time is never stopped under it.
 
-It ends by itself when the cluster is gone (`tpulaunch cluster down`). The temp dir is passed hex-
-encoded so that the reaper itself is not taken for a process of the cluster (they are found by
-the temp dir in their argv).
+It ends by itself when the cluster is gone (`tpulaunch cluster down`). It stops the cluster as
+`cluster down` does: the processes carrying the cluster's id, then its temp dir if still marked
+for it (`ownership.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-CHECK_EVERY_S = 10.0
+CHECK_EVERY_S = 10.0  # at most; a short idle time is checked more often (a third of it)
 
 
 def touch(temp_dir: str) -> None:
@@ -67,32 +67,40 @@ def runs_under_way(temp_dir: str) -> list[int]:
     return live
 
 
-def start(temp_dir: str, idle_s: float) -> None:
+def start(temp_dir: str, cluster_id: str, idle_s: float) -> None:
     """Start the reaper of the cluster in `temp_dir` (detached; it outlives the launcher)."""
+    from tpulaunch.cluster.ownership import ID_ENV
+
     touch(temp_dir)
-    subprocess.Popen([sys.executable, "-m", "tpulaunch.cluster.reaper", temp_dir.encode().hex(), str(idle_s)],
+    env = {k: v for k, v in os.environ.items() if k != ID_ENV}  # the reaper is not a process of the cluster
+    subprocess.Popen([sys.executable, "-m", "tpulaunch.cluster.reaper", temp_dir.encode().hex(), cluster_id, str(idle_s)],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True, close_fds=True)
+                     start_new_session=True, close_fds=True, env=env)
 
 
 def main(argv: list[str]) -> int:
-    from tpulaunch.cluster.processes import cluster_pids, stop_processes
+    from tpulaunch.cluster.emulated import stop_owned
+    from tpulaunch.cluster.ownership import cluster_pids
     from tpulaunch.cluster.record import clear_record, load_record
+    from tpulaunch.errors import TpulaunchError
 
-    temp_dir, idle_s = bytes.fromhex(argv[0]).decode(), float(argv[1])
+    temp_dir, cluster_id, idle_s = bytes.fromhex(argv[0]).decode(), argv[1], float(argv[2])
     while True:
-        time.sleep(CHECK_EVERY_S)
-        if not cluster_pids(temp_dir):
+        time.sleep(min(CHECK_EVERY_S, idle_s / 3))
+        if not cluster_pids(cluster_id):
             return 0
         try:
             idle = time.time() - os.stat(os.path.join(temp_dir, "last_used")).st_mtime
         except OSError:
             idle = idle_s
         if idle >= idle_s and not runs_under_way(temp_dir):
-            rec = load_record()
-            if rec is not None and rec.temp_dir == temp_dir:
+            try:
+                rec = load_record()
+            except TpulaunchError:
+                rec = None  # unreadable: leave it for `cluster down --force` to say so
+            if rec is not None and rec.cluster_id == cluster_id:
                 clear_record()
-            stop_processes(temp_dir)
+            stop_owned(cluster_id, temp_dir)
             return 0
 
 

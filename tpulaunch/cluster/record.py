@@ -2,25 +2,47 @@
 
 The record (`$TPULAUNCH_HOME/cluster.json`, default `~/.cache/tpulaunch`) is how `--address auto`
 finds the warm cluster. Plain data and a JSON file; no Ray import.
+
+State that cannot be used is said to be so, in one line naming the file (`StateError`, exit 6):
+a record that is corrupt, a directory, or holds fields of the wrong type; a state directory that
+others may write to; a token file others may read (refused, as ssh refuses such a key) or that
+holds no token. Nothing is guessed from such a file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from tpulaunch.cluster.processes import cluster_pids
+from tpulaunch.cluster import ownership
+from tpulaunch.errors import StateError, TpulaunchError
+
+HOME_ENV = "TPULAUNCH_HOME"
+_FORCE_HINT = "the cluster it described may still be running: `tpulaunch cluster down --force` finds and stops it"
 
 
 def state_dir() -> Path:
     """Where tpulaunch keeps cluster records and tokens (`TPULAUNCH_HOME`, default ~/.cache/tpulaunch)."""
-    d = Path(os.environ.get("TPULAUNCH_HOME") or Path.home() / ".cache" / "tpulaunch")
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    raw = os.environ.get(HOME_ENV)
+    d = Path(raw) if raw else Path.home() / ".cache" / "tpulaunch"
+    if raw is not None and not raw.strip():
+        raise TpulaunchError(f"{HOME_ENV} is set but empty", "unset it, or set it to a directory of yours")
+    if d.exists() and not d.is_dir():
+        raise TpulaunchError(f"{HOME_ENV}={d} is a file, not a directory", "point it at a directory (or unset it)")
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = d.stat()
+    except OSError as e:
+        raise StateError(f"tpulaunch's state directory {d} cannot be used: {e.strerror}",
+                         f"set {HOME_ENV} to a directory you can write") from None
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise StateError(f"tpulaunch's state directory {d} can be written by others (mode {stat.S_IMODE(st.st_mode):04o}):"
+                         " anyone could plant a cluster record there", f"chmod 700 {d}")
     return d
-
 
 
 # Ray's background work on an emulated cluster, where every node shares this machine's cores with
@@ -50,11 +72,20 @@ class ClusterInfo:
     kept: bool = False  # left up by `run --keep-cluster` (stopped after `idle_timeout` s unused)
     idle_timeout: float | None = None
     log_monitor: bool = False  # its nodes forward worker output to drivers (`cluster up`: yes)
+    cluster_id: str | None = None  # the id its temp dir's marker and its processes carry (`ownership`)
+    dashboard: str | None = None  # host:port of its dashboard (the job API), if it runs one
 
     @property
     def running_here(self) -> bool:
-        """True when this is a cluster tpulaunch started on this machine and it still runs."""
-        return bool(self.temp_dir) and bool(cluster_pids(self.temp_dir))  # type: ignore[arg-type]
+        """True when this is a cluster tpulaunch started on this machine (its temp dir carries its
+        marker) and it still runs."""
+        if not self.cluster_id or not self.temp_dir:
+            return False
+        try:
+            ownership.check_temp_dir(self.temp_dir, self.cluster_id, "")
+        except StateError:
+            return False
+        return bool(ownership.cluster_pids(self.cluster_id))
 
     def ray_env(self) -> dict[str, str]:
         """Environment a process needs to talk to this cluster (on an emulated one, also QUIET_RAY)."""
@@ -67,25 +98,84 @@ class ClusterInfo:
         return env
 
 
-def _record_path() -> Path:
+# What each field of a record may hold (JSON types); anything else is a record we cannot trust.
+_TYPES: dict[str, tuple[type, ...]] = {
+    "address": (str,), "temp_dir": (str, type(None)), "token_path": (str, type(None)), "emulated": (bool,),
+    "slices": (list,), "created": (int, float), "remote": (dict, type(None)), "kept": (bool,),
+    "idle_timeout": (int, float, type(None)), "log_monitor": (bool,), "cluster_id": (str, type(None)),
+    "dashboard": (str, type(None)),
+}
+
+
+def record_path() -> Path:
     return state_dir() / "cluster.json"
 
 
 def save_record(info: ClusterInfo) -> None:
-    p = _record_path()
-    p.write_text(json.dumps(asdict(info), indent=2))
-    p.chmod(0o600)
+    p = record_path()
+    tmp = p.with_name(p.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(info), f, indent=2)
+    os.replace(tmp, p)  # whole or not at all: a killed writer never leaves half a record
 
 
 def load_record() -> ClusterInfo | None:
-    p = _record_path()
-    if not p.exists():
+    """The record, None if there is none; StateError if it cannot be read or trusted."""
+    p = record_path()
+    if not p.exists() and not p.is_symlink():
         return None
+    if p.is_dir():
+        raise StateError(f"cluster record {p} is a directory, not a file", f"remove it (rm -r {p}); {_FORCE_HINT}")
     try:
-        return ClusterInfo(**json.loads(p.read_text()))
-    except (ValueError, TypeError):
-        return None
+        text = p.read_text()
+    except OSError as e:
+        raise StateError(f"cluster record {p} cannot be read: {e.strerror}", _FORCE_HINT) from None
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        where = f"line {e.lineno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise StateError(f"cluster record {p} is corrupt ({where})", _FORCE_HINT) from None
+    if not isinstance(doc, dict):
+        raise StateError(f"cluster record {p} is corrupt (a {type(doc).__name__}, not an object)", _FORCE_HINT)
+    known = {f.name for f in fields(ClusterInfo)}
+    for name, value in doc.items():
+        if name in _TYPES and not isinstance(value, _TYPES[name]):
+            raise StateError(f"cluster record {p}: field '{name}' is {value!r}, not a {_TYPES[name][0].__name__}",
+                             _FORCE_HINT)
+    for name in ("address", "temp_dir", "token_path", "emulated"):
+        if name not in doc:
+            raise StateError(f"cluster record {p} has no '{name}'", _FORCE_HINT)
+    if not all(isinstance(s, dict) for s in doc.get("slices", [])):
+        raise StateError(f"cluster record {p}: field 'slices' holds something other than slices", _FORCE_HINT)
+    return ClusterInfo(**{k: v for k, v in doc.items() if k in known})
 
 
 def clear_record() -> None:
-    _record_path().unlink(missing_ok=True)
+    p = record_path()
+    if p.is_dir() and not p.is_symlink():
+        return  # not ours to remove: load_record says what it is
+    p.unlink(missing_ok=True)
+
+
+def check_token_file(path: str, source: str = "token file") -> str:
+    """The token in `path`, after checking it is ours to use: a file only its owner can read,
+    holding one token. StateError otherwise (as ssh refuses a private key others can read)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise StateError(f"{source} {p} cannot be read: {e.strerror}", "is the cluster up? (`tpulaunch cluster status`)") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise StateError(f"{source} {p} is not a file", "point RAY_AUTH_TOKEN_PATH (or the record) at the cluster's token")
+    if st.st_mode & 0o077:
+        raise StateError(f"{source} {p} can be read by others (mode {stat.S_IMODE(st.st_mode):04o}): anyone on this"
+                         " machine could use the cluster", f"chmod 600 {p}")
+    try:
+        token = p.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise StateError(f"{source} {p} does not hold a token ({e})", "restore it from the cluster's head") from None
+    if not token or any(c.isspace() for c in token) or not token.isprintable():
+        raise StateError(f"{source} {p} does not hold a token (expected one word of printable characters)",
+                         "restore it from the cluster's head, or bring the cluster up again")
+    return token

@@ -14,9 +14,12 @@ What runs on each worker (every piece quoted with `shlex.quote`; nothing user-gi
   Every other Ray port is 0 (random): no clashes with anything else on the VM, nothing to open.
   No `--resources`: on a TPU VM Ray counts the chips itself and derives the `TPU-*` resources and
   `ray.io/tpu-*` labels from the metadata server.
-* `--temp-dir` is per cluster (`/tmp/tpl-<hash of project/zone/name>`), so `down` stops exactly the
-  Ray processes of this cluster (those naming that dir in argv or holding a file open in it),
-  never another Ray the user runs on the VM (`ray stop` would kill every Ray of the user).
+* `--temp-dir` is per cluster (`/tmp/tpl-<hash of project/zone/name>`), and every Ray process of the
+  cluster is started with `TPULAUNCH_CLUSTER_ID=<id>` in its environment (the id is a hash of the
+  cluster's token) and the marker `tpulaunch-cluster` in its temp dir. So `down` stops exactly the
+  processes carrying the id, and deletes the temp dir only if its marker names the id: never
+  another Ray the user runs on the VM (`ray stop` would kill every Ray of the user), nor a
+  directory a record merely names.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import socket
 import subprocess
 import time
@@ -33,8 +37,9 @@ from pathlib import Path
 from typing import Callable
 
 from tpulaunch import gcloud
+from tpulaunch.cluster.ownership import ID_ENV, MARKER
+from tpulaunch.cluster.record import ClusterInfo, check_token_file, state_dir
 from tpulaunch.errors import ClusterError
-from tpulaunch.cluster.record import ClusterInfo, state_dir
 from tpulaunch.plan.slicespec import SliceSpec
 
 DEFAULT_PORT = 6379
@@ -76,9 +81,20 @@ def ray_start_words(
     return argv
 
 
-def start_command(words: list[str]) -> str:
-    """Store the token sent on stdin owner-only, then run `ray start` with token auth on."""
-    return f"{WRITE_TOKEN} && {AUTH_ENV} {gcloud.shell_words(words)}"
+def cluster_id_of(token: str) -> str:
+    """The id a cluster's processes and temp dir carry: derived from its token (stable across
+    `cluster up` runs that find the same token, and revealing nothing of it)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def start_command(words: list[str], temp_dir: str, cluster_id: str) -> str:
+    """Store the token sent on stdin owner-only, mark the temp dir, then `ray start` with token auth on
+    and the cluster's id in the environment of every Ray process it starts."""
+    marker = json.dumps({"cluster_id": cluster_id})
+    mark = (f"mkdir -p {shlex.quote(temp_dir)} && printf %s {shlex.quote(marker)}"
+            f" > {shlex.quote(temp_dir + '/' + MARKER)}")
+    return (f"{WRITE_TOKEN} && {mark} && {AUTH_ENV} {gcloud.env_assignments({ID_ENV: cluster_id})}"
+            f" {gcloud.shell_words(words)}")
 
 
 _QUERY = r"""
@@ -111,49 +127,25 @@ print("MARK" + json.dumps(out))
 """.replace("MARK", JSON_MARK)
 
 _STOP = r"""
-# tpulaunch-stop: end the Ray processes of one cluster temp dir on this host, by pid
-import json, os, re, shutil, signal, sys, time
-d = os.path.realpath(sys.argv[1])
-pat = re.compile(re.escape(d.encode()) + rb"(/|\x00|$)")
-def ancestors():
-    s, p = set(), os.getpid()
-    while p > 1 and p not in s:
-        s.add(p)
-        try:
-            p = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
-        except Exception:
-            break
-    return s
+# tpulaunch-stop: end the processes of one cluster on this host (those started with its id), by pid
+import json, os, shutil, signal, sys, time
+d, cid = os.path.realpath(sys.argv[1]), sys.argv[2]
+entry = ("TPULAUNCH_CLUSTER_ID=" + cid).encode()
 def alive(pid):
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except Exception:
         return False
 def members():
-    skip, out = ancestors(), []
+    out = []
     for e in os.listdir("/proc"):
-        if not e.isdigit() or int(e) in skip:
+        if not e.isdigit() or int(e) == os.getpid():
             continue
         try:
-            cmd = open(f"/proc/{e}/cmdline", "rb").read()
+            env = open(f"/proc/{e}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
-        if b"tpulaunch-stop" in cmd or not alive(e):
-            continue  # this command, its shell and the ssh carrying it (and their siblings)
-        hit = bool(pat.search(cmd))
-        if not hit:  # Ray's agents rewrite their argv (ray::DashboardAgent); their log files stay open
-            try:
-                for fd in os.listdir(f"/proc/{e}/fd"):
-                    try:
-                        t = os.readlink(f"/proc/{e}/fd/{fd}")
-                    except OSError:
-                        continue
-                    if t == d or t.startswith(d + "/"):
-                        hit = True
-                        break
-            except OSError:
-                pass
-        if hit:
+        if entry in env and alive(e):
             out.append(int(e))
     return out
 found = members()
@@ -167,18 +159,22 @@ for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
     while time.monotonic() < end and members():
         time.sleep(0.2)
 left = members()
-if not left:
+try:
+    marked = json.load(open(os.path.join(d, "MARKER"))).get("cluster_id") == cid and not os.path.islink(d)
+except (OSError, ValueError, AttributeError):
+    marked = False
+if not left and marked:
     shutil.rmtree(d, ignore_errors=True)
-print("MARK" + json.dumps({"stopped": len(found), "left": left}))
-""".replace("MARK", JSON_MARK)
+print("MARK" + json.dumps({"stopped": len(found), "left": left, "removed": bool(not left and marked)}))
+""".replace("MARK", JSON_MARK).replace("MARKER", MARKER)
 
 
 def query_command(python: str, head_ip: str, port: int) -> str:
     return f"{AUTH_ENV} {gcloud.shell_words([python, '-c', _QUERY, f'{head_ip}:{port}'])}"
 
 
-def stop_command(python: str, temp_dir: str) -> str:
-    return gcloud.shell_words([python, "-c", _STOP, temp_dir])
+def stop_command(python: str, temp_dir: str, cluster_id: str) -> str:
+    return gcloud.shell_words([python, "-c", _STOP, temp_dir, cluster_id])
 
 
 def _marked_json(text: str) -> dict | None:
@@ -207,7 +203,7 @@ def ensure_token(key: str) -> tuple[Path, str, bool]:
     """(path, token, created_now): the cluster's token, stored owner-only (0600) under state_dir()."""
     p = token_file(key)
     if p.exists():
-        return p, p.read_text().strip(), False
+        return p, check_token_file(str(p), "the cluster's token file"), False
     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     tok = secrets.token_hex(32)
     with os.fdopen(fd, "w") as f:
@@ -222,7 +218,7 @@ class RemoteSlice:
     """One TPU slice reached over gcloud ssh; `cluster up/status/down --tpu` in library form."""
 
     def __init__(self, spec: SliceSpec, *, port: int = DEFAULT_PORT, temp_dir: str | None = None,
-                 python: str = DEFAULT_PYTHON, dashboard: bool = False) -> None:
+                 python: str = DEFAULT_PYTHON, dashboard: bool = False, cluster_id: str | None = None) -> None:
         if not spec.workers:
             raise ClusterError(f"TPU '{spec.name}' lists no worker endpoints", "is it READY? `tpulaunch slice describe`")
         if not spec.zone or not spec.project:
@@ -233,11 +229,13 @@ class RemoteSlice:
         self.temp_dir = temp_dir or default_temp_dir(spec.project, spec.zone, spec.name)
         self.python = python
         self.dashboard = dashboard
+        self.cluster_id = cluster_id  # known once the token is (up), or from the record (down)
 
     @classmethod
     def from_record(cls, info: ClusterInfo) -> "RemoteSlice":
         r = info.remote or {}
-        return cls(SliceSpec.from_dict(info.slices[0]), port=r["port"], temp_dir=r["temp_dir"], python=r["python"])
+        return cls(SliceSpec.from_dict(info.slices[0]), port=r["port"], temp_dir=r["temp_dir"], python=r["python"],
+                   cluster_id=info.cluster_id)
 
     @property
     def head_ip(self) -> str:
@@ -278,7 +276,7 @@ class RemoteSlice:
     def _start(self, worker: int, token: str, head: bool) -> None:
         words = ray_start_words(python=self.python, node_ip=self.spec.workers[worker].ip, temp_dir=self.temp_dir,
                                 port=self.port, head=head, head_ip=self.head_ip, dashboard=self.dashboard)
-        proc = self.ssh(worker, start_command(words), stdin=token)
+        proc = self.ssh(worker, start_command(words, self.temp_dir, cluster_id_of(token)), stdin=token)
         if proc.returncode != 0:
             raise ClusterError(f"ray start failed on worker {worker} (exit {proc.returncode}): {_tail(proc)}",
                                f"Ray's logs are under {self.temp_dir} on that worker")
@@ -288,6 +286,7 @@ class RemoteSlice:
         say = progress or (lambda _w, _s: None)
         n = len(self.spec.workers)
         token_path, token, created = ensure_token(self.key)
+        self.cluster_id = cluster_id_of(token)
         say(0, "checking")
         doc = self.query()
         if doc["head"]:
@@ -323,18 +322,22 @@ class RemoteSlice:
             raise ClusterError("; ".join(f"worker {w}: {m}" for w, m in sorted(errors.items())),
                                "fix that and run `tpulaunch cluster up` again (hosts already up are left alone)")
         return ClusterInfo(address=self.address, temp_dir=None, token_path=str(token_path), emulated=False,
-                           slices=[self.spec.to_dict()],
+                           slices=[self.spec.to_dict()], cluster_id=self.cluster_id,
                            remote={"tpu": self.spec.name, "zone": self.spec.zone, "project": self.spec.project,
                                    "port": self.port, "temp_dir": self.temp_dir, "python": self.python})
 
     def down(self, progress: Progress | None = None) -> dict[int, dict]:
         """End this cluster's Ray processes on every worker, in parallel: {worker: {"stopped", "left"}}."""
+        if not self.cluster_id:
+            raise ClusterError(f"the record of the cluster on TPU '{self.spec.name}' has no cluster id (written by an"
+                               " older tpulaunch?): nothing can be told apart as its", "stop its Ray processes on the"
+                               " VMs yourself (`ray stop` there, if nothing else of yours runs Ray)")
         say = progress or (lambda _w, _s: None)
         results: dict[int, dict] = {}
 
         def stop(w: int) -> None:
             say(w, "stopping")
-            proc = self.ssh(w, stop_command(self.python, self.temp_dir))
+            proc = self.ssh(w, stop_command(self.python, self.temp_dir, self.cluster_id))
             doc = _marked_json(proc.stdout)
             if proc.returncode != 0 or doc is None:
                 results[w] = {"error": f"exit {proc.returncode}: {_tail(proc)}"}

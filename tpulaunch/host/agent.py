@@ -30,6 +30,7 @@ import ctypes
 import json
 import os
 import pickle
+import select
 import shutil
 import signal
 import socket
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 from tpulaunch import procfs
 from tpulaunch.errors import ExitCode
@@ -57,6 +59,8 @@ EXIT_TPU_BUSY = ExitCode.TPU_BUSY  # a leftover process holds this host's TPU (s
 PY_STDIO_ENV = "TPULAUNCH_PY_STDIO_FDS"  # "OUT,ERR": the fds the bootstrap gives sys.stdout / sys.stderr
 TIMINGS_ENV = "TPULAUNCH_TIMINGS_FILE"  # the bootstrap's phases (import, boot, mesh) as JSON
 DRIVER_GONE_S = 60.0  # a run nobody polled for this long has lost its driver
+DRAIN_S = 2.0  # after a host's script exits: how long the output still in its pipes may take to arrive
+_PR_SET_CHILD_SUBREAPER = 36
 NAMESPACE = "tpulaunch"
 
 
@@ -86,6 +90,14 @@ def _child_setup() -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)
+    except OSError:
+        pass
+
+
+def _become_subreaper() -> None:
+    """Orphans of our children come to us, not to init (PR_SET_CHILD_SUBREAPER)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except OSError:
         pass
 
@@ -126,9 +138,16 @@ def _raylet_env() -> dict[str, str] | None:
 
 
 class HostProcess:
-    """One host process and everything it printed. A spare waits on stdin for its state."""
+    """One host process and everything it printed. A spare waits on stdin for its state.
 
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: str, spare: bool = False) -> None:
+    The host ends when its script's process ends: its exit code is final at once; output still in
+    flight is read for `DRAIN_S`, then whatever the script left running (`leftovers`: daemons,
+    servers, anything that forked, `setsid` included) is stopped and named in one line, unless
+    `keep_children`. Nothing it left behind can hold the host "running" by holding its pipes.
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str, spare: bool = False,
+                 leftovers: Callable[["HostProcess"], list[int]] | None = None) -> None:
         py = argv[1:3] == ["-m", "tpulaunch.host.bootstrap"]
         # The bootstrap writes Python's sys.stdout/sys.stderr to pipes of their own: native code
         # (gloo, XLA) writing to fds 1/2 at the same time could otherwise split a printed line.
@@ -140,8 +159,12 @@ class HostProcess:
         self.lines: collections.deque = collections.deque()
         self.cond = threading.Condition()
         self.started = self.last_line = time.time()
-        self.ended: float | None = None
+        self.ended: float | None = None  # set once the host is over: exited, output drained, leftovers handled
+        self.exited: float | None = None
         self.readers: list[threading.Thread] = []
+        self.leftovers = leftovers or (lambda _h: [])
+        self.keep_children = False
+        self._stop_reading = threading.Event()
         try:
             self.proc = subprocess.Popen(
                 argv, env=env, cwd=cwd, stdin=subprocess.PIPE if spare else subprocess.DEVNULL,
@@ -173,17 +196,50 @@ class HostProcess:
             self.cond.notify_all()
 
     def _pump(self, name: str, stream) -> None:  # noqa: ANN001 - a binary pipe
-        for raw in iter(stream.readline, b""):
-            self.push(name, raw.decode("utf-8", "replace").rstrip("\r\n"))
+        """Lines from one pipe until it closes, or until told to stop reading (the script ended and
+        something it left behind, kept on purpose, still holds the pipe)."""
+        fd, buf = stream.fileno(), b""
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.25)
+            if not ready:
+                if self._stop_reading.is_set():
+                    break
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            *whole, buf = (buf + chunk).split(b"\n")
+            for raw in whole:
+                self.push(name, raw.decode("utf-8", "replace").rstrip("\r"))
+        if buf:
+            self.push(name, buf.decode("utf-8", "replace").rstrip("\r"))
         stream.close()
 
     def _reap(self) -> None:
         self.proc.wait()
+        self.exited = time.time()  # the host's end (its output may still be draining)
+        deadline = time.monotonic() + DRAIN_S
         for t in self.readers:
-            t.join()
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._end_leftovers()
+        self._stop_reading.set()
+        for t in self.readers:
+            t.join(2.0)
         with self.cond:
             self.ended = time.time()
             self.cond.notify_all()
+
+    def _end_leftovers(self) -> None:
+        left = self.leftovers(self)
+        if not left:
+            return
+        named = ", ".join(f"{procfs.Process(p).name()}, pid {p}" for p in left[:4]) + (" ..." if len(left) > 4 else "")
+        what = f"the script left {len(left)} process{'es' if len(left) > 1 else ''} running ({named})"
+        if self.keep_children:
+            self.push("stderr", f"tpulaunch: {what}; left running (--keep-children)")
+            return
+        procfs.stop(lambda: self.leftovers(self), grace_s=2.0)
+        self.push("stderr", f"tpulaunch: {what}; stopped")
 
     @property
     def alive(self) -> bool:
@@ -205,7 +261,7 @@ class HostProcess:
             except subprocess.TimeoutExpired:
                 pass
         for t in self.readers:
-            t.join(timeout=2.0)
+            t.join(timeout=DRAIN_S + 3.0)
         return exit_code_of(p.returncode) if p.returncode is not None else None
 
 
@@ -237,7 +293,9 @@ class HostAgent:
         self._last_poll = time.time()
         self._spares: dict[str, tuple[dict[str, str], HostProcess]] = {}
         self._notes: list[str] = []  # tpulaunch's own lines for the next poll (a busy TPU)
+        self._helpers: set[int] = set()  # short-lived children of ours (py-spy): never a host's leftover
         self._lock = threading.Lock()
+        _become_subreaper()  # what a host's script leaves behind (even after setsid) stays below us
         if threading.current_thread() is threading.main_thread():
             # A threaded actor's __init__ runs on the worker's main thread: the one place a signal
             # handler can be installed. SIGTERM to this process is the host going away.
@@ -294,7 +352,8 @@ class HostAgent:
                     self._host = spare
                 else:
                     argv = command or [sys.executable, "-m", "tpulaunch.host.bootstrap", path]
-                    self._host = HostProcess(argv, {**host_env(), **static, **per_run}, cwd)
+                    self._host = HostProcess(argv, {**host_env(), **static, **per_run}, cwd, leftovers=self._leftovers)
+                self._host.keep_children = options.keep_children
             except OSError as e:
                 self._host = None
                 self._refused = 127
@@ -358,8 +417,8 @@ class HostAgent:
         if code is not None:
             phases = self._phases()
             self._cleanup_files()
-        return PollReply(lines=tuple(out), code=code, wall_s=(h.ended or time.time()) - h.started,
-                         ended=h.ended if code is not None else None, activity=self._activity(h),
+        return PollReply(lines=tuple(out), code=code, wall_s=(h.exited or time.time()) - h.started,
+                         ended=h.exited if code is not None else None, activity=self._activity(h),
                          preempted=self._preempted, phases=phases)
 
     def _phases(self) -> dict:
@@ -398,11 +457,46 @@ class HostAgent:
             old[1].terminate(0.5)
         try:
             spare = HostProcess([sys.executable, "-m", "tpulaunch.host.bootstrap", "--spare", framework], env0,
-                                os.getcwd(), spare=True)
+                                os.getcwd(), spare=True, leftovers=self._leftovers)
         except OSError:
             return False
         self._spares[framework] = (env0, spare)
         return True
+
+    def _leftovers(self, host: HostProcess) -> list[int]:
+        """Processes `host`'s script left behind once its own process ended.
+
+        This agent is a child subreaper, so whatever the script started (forked, daemonized,
+        `setsid` too) is re-parented below it when its parent dies: everything below the agent is
+        the script's, except the spares (and theirs) and our own helpers (py-spy). As a second net,
+        processes started with this run's and host's identity in their environment.
+        """
+        kids = procfs.children_map()
+        keep = set(self._helpers)
+        for _env, spare in self._spares.values():
+            keep |= {spare.proc.pid, *procfs.descendants(spare.proc.pid, kids)}
+        if self._host is not None and self._host is not host and self._host.alive:
+            keep |= {self._host.proc.pid, *procfs.descendants(self._host.proc.pid, kids)}
+        found = set(procfs.descendants(os.getpid(), kids))
+        run, index = host.env.get("TPULAUNCH_RUN_ID"), host.env.get("TPULAUNCH_PROCESS_INDEX")
+        if run:  # a fresh host process: its children carry its environment (a spare's show it after hand-off)
+            mark = {f"TPULAUNCH_RUN_ID={run}".encode(), f"TPULAUNCH_PROCESS_INDEX={index}".encode()}
+            found |= {proc.pid for proc in procfs.processes() if mark <= set(proc.environ().split(b"\0"))}
+        return sorted(p for p in found - keep if p != host.proc.pid and procfs.alive(p))
+
+    def _reap_orphans(self) -> None:
+        """Orphans re-parented to us (we are their subreaper) are ours to wait for, once they end;
+        never a child a Popen of ours waits for (its exit code would be lost)."""
+        managed = {spare.proc.pid for _env, spare in self._spares.values()} | set(self._helpers)
+        if self._host is not None:
+            managed.add(self._host.proc.pid)
+        me = os.getpid()
+        for proc in procfs.processes():
+            if proc.pid not in managed and proc.state() == "Z" and proc.ppid() == me:
+                try:
+                    os.waitpid(proc.pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
 
     def _end_leftover(self) -> None:
         if self._host is not None and self._host.alive:
@@ -423,6 +517,7 @@ class HostAgent:
         """A run nobody polls (its driver killed, its head node gone) is stopped, not left running."""
         while True:
             time.sleep(5.0)
+            self._reap_orphans()
             h = self._host
             if h is not None and h.alive and time.time() - self._last_poll > DRIVER_GONE_S:
                 h.push("stderr", f"tpulaunch: nobody polled this host for {DRIVER_GONE_S:.0f} s (its launcher is"
@@ -457,11 +552,20 @@ class HostAgent:
             return "(the host process had already ended)"
         exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
         try:
-            out = subprocess.run([exe, "dump", "--pid", str(h.proc.pid)], capture_output=True, text=True,
-                                 timeout=timeout_s)
-        except (OSError, subprocess.TimeoutExpired) as e:
+            proc = subprocess.Popen([exe, "dump", "--pid", str(h.proc.pid)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+        except OSError as e:
             return f"(py-spy dump failed: {e})"
-        return out.stdout if out.returncode == 0 else f"(py-spy dump exited {out.returncode}: {out.stderr.strip()})"
+        self._helpers.add(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return f"(py-spy dump took longer than {timeout_s:g} s)"
+        finally:
+            self._helpers.discard(proc.pid)
+        return out if proc.returncode == 0 else f"(py-spy dump exited {proc.returncode}: {err.strip()})"
 
 
 def dumps_state(state: HostState) -> bytes:

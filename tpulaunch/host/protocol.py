@@ -20,6 +20,7 @@ class HostOptions:
     watch_preemption: bool = False  # ask the GCE metadata server for preemption notices
     metadata_host: str | None = None  # that server (None: the default one)
     preemption_grace_s: float = 30.0  # a preempted script's time between SIGTERM and SIGKILL
+    keep_children: bool = False  # leave processes the script started running after it exits
 
 
 @dataclass(frozen=True)

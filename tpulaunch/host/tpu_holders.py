@@ -22,6 +22,7 @@ class Holder:
     pid: int
     cmdline: str
     paths: list[str]  # the TPU device files (or lockfile) it has open
+    uid: int | None = None  # the user it runs as: only this user's processes are ever stopped
 
 
 @dataclass
@@ -67,7 +68,7 @@ def scan(root: Path | str = "/") -> HoldersReport:
             paths = sorted(set(proc.open_files()) & watched)
             if paths:
                 cmd = proc.cmdline().replace(b"\0", b" ").decode(errors="replace").strip()
-                holders.append(Holder(pid=proc.pid, cmdline=cmd, paths=paths))
+                holders.append(Holder(pid=proc.pid, cmdline=cmd, paths=paths, uid=proc.uid()))
     held = any(h.paths for h in holders)
     return HoldersReport(devices=devices, holders=holders, lockfile=str(lock) if lock.exists() else None,
                          lockfile_stale=lock.exists() and not held)
@@ -76,15 +77,21 @@ def scan(root: Path | str = "/") -> HoldersReport:
 def clear(report: HoldersReport, grace_s: float = 5.0) -> dict:
     """End the holders (SIGTERM, then SIGKILL after `grace_s`) and remove the lockfile if nobody holds it.
 
+    Only this user's processes are stopped (another user's holder is reported, never signalled),
+    and only a regular lockfile is removed (never what a symlink of that name points at).
+
     Returns {"killed": [...], "failed": {pid: reason}, "lockfile_removed": bool}.
     """
     killed, failed = [], {}
     pids = [h.pid for h in report.holders]
+    for h in report.holders:
+        if h.uid is not None and h.uid != os.getuid():
+            failed[h.pid] = f"it runs as another user (uid {h.uid}): not ours to stop"
     for pid in pids:
         try:
             os.kill(pid, 0)
         except PermissionError as e:
-            failed[pid] = f"not allowed to signal it ({e.strerror})"
+            failed.setdefault(pid, f"not allowed to signal it ({e.strerror})")
         except ProcessLookupError:
             pass
     left = set(procfs.stop([p for p in pids if p not in failed], grace_s))
@@ -96,7 +103,7 @@ def clear(report: HoldersReport, grace_s: float = 5.0) -> dict:
         else:
             killed.append(pid)
     removed = False
-    if report.lockfile and not failed:
+    if report.lockfile and not failed and Path(report.lockfile).is_file() and not Path(report.lockfile).is_symlink():
         try:
             os.unlink(report.lockfile)
             removed = True

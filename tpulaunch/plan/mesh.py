@@ -41,6 +41,11 @@ from tpulaunch.errors import MeshError
 from tpulaunch.plan.topology import Coord, Topology
 
 _AXIS_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_AXIS_NAMES = ("None", "none", "_")  # `--spec` reads these as "replicate this dimension"
+# The most slices one multislice job may span. Cloud TPU documents no number; this is well above the
+# largest published run (199 slices of v5e-256, 50,944 chips, Google Cloud blog, 2023) and keeps a
+# typo (10000) from being planned.
+MAX_SLICES = 1024
 
 AxisSpec = tuple[tuple[str, int], ...]  # ordered (name, size); size -1 means "infer"
 
@@ -82,6 +87,9 @@ def parse_axes(text: str, flag: str = "--mesh") -> AxisSpec:
             raise MeshError(f"{flag} axis '{name}' has size {n}", "sizes are positive integers (or -1 once, to infer)")
         if any(name == o for o, _ in out):
             raise MeshError(f"{flag} names axis '{name}' twice", "give every axis a distinct name")
+        if name in RESERVED_AXIS_NAMES:
+            raise MeshError(f"{flag} axis name '{name}' is reserved: --spec reads it as 'replicate'",
+                            "call the axis something else, e.g. data or model")
         out.append((name, n))
     if sum(1 for _, n in out if n == -1) > 1:
         raise MeshError(f"{flag} has more than one -1 axis", "only one axis size can be inferred")
@@ -290,6 +298,19 @@ class MeshPlan:
         return doc
 
 
+def check_num_slices(topology: Topology, num_slices: int) -> None:
+    """How many slices a multislice of `topology` may have: 1 to MAX_SLICES, and more than one only
+    for generations Cloud TPU Multislice supports (v4 and later)."""
+    if num_slices < 1:
+        raise MeshError(f"--num-slices {num_slices} is not a number of slices", "use 1 or more")
+    if num_slices > MAX_SLICES:
+        raise MeshError(f"--num-slices {num_slices} is more slices than a multislice job can have ({MAX_SLICES})",
+                        "check the number")
+    if num_slices > 1 and topology.generation.name in ("v2", "v3"):
+        raise MeshError(f"{topology.generation.name} slices do not form a multislice (Cloud TPU Multislice is v4 and later)",
+                        "use one slice, or a v4 or later generation")
+
+
 def plan_mesh(
     topology: Topology,
     mesh: str | AxisSpec | None = None,
@@ -310,8 +331,7 @@ def plan_mesh(
             raise MeshError("--dcn with -1 needs --num-slices", "give the DCN sizes explicitly or pass --num-slices")
     if num_slices is None:
         num_slices = math.prod(n for _, n in dcn_axes) if dcn_axes else 1
-    if num_slices < 1:
-        raise MeshError(f"--num-slices {num_slices} is not a number of slices", "use 1 or more")
+    check_num_slices(topology, num_slices)
 
     if ici_axes is None:
         if topology.num_hosts == 1:

@@ -57,6 +57,7 @@ class Limits:
     kill_stale: bool = False
     watch_preemption: bool = False  # ask the metadata server for preemption notices
     keep_warm: bool = False  # the cluster outlives the run: leave a spare process on every host
+    keep_children: bool = False  # leave what a host's script started running after it exits
     debug: bool = False  # say more (why a host did not get a spare)
 
 
@@ -109,7 +110,7 @@ def host_options(plan: LaunchPlan, limits: Limits) -> HostOptions:
         cwd=plan.job.workdir if plan.emulated else None,  # emulated hosts run in place
         check_tpu=not plan.emulated, kill_stale=limits.kill_stale, watch_preemption=limits.watch_preemption,
         metadata_host=plan.job.user_env.get("TPULAUNCH_METADATA_HOST") or None,
-        preemption_grace_s=limits.preemption_grace_s,
+        preemption_grace_s=limits.preemption_grace_s, keep_children=limits.keep_children,
     )
 
 

@@ -113,6 +113,7 @@ def launch(prep: Prepared, sink: Sink, connection: Connection | None = None, *, 
         schedule_timeout_s=req.schedule_timeout, preemption_grace_s=req.preemption_grace,
         deadline=t0 + req.timeout if req.timeout else None, stall_timeout_s=req.stall_timeout,
         kill_stale=req.kill_stale, debug=debug, keep_warm=prep.cluster is not None or req.keep_cluster,
+        keep_children=req.keep_children,
         watch_preemption=not plan.emulated or "TPULAUNCH_METADATA_HOST" in plan.job.user_env,
     )
     attempts: list[Attempt] = []
@@ -186,8 +187,8 @@ def _keep(cluster: ClusterInfo, req: LaunchRequest, sink: Sink) -> bool:
         return False
     cluster.kept, cluster.idle_timeout = True, req.idle_timeout
     save_record(cluster)
-    assert cluster.temp_dir is not None
-    reaper.start(cluster.temp_dir, req.idle_timeout)
+    assert cluster.temp_dir is not None and cluster.cluster_id is not None
+    reaper.start(cluster.temp_dir, cluster.cluster_id, req.idle_timeout)
     sink.progress(f"kept the emulated cluster at {cluster.address} for the next runs (stops after"
                   f" {req.idle_timeout:g} s unused; `tpulaunch cluster down` stops it now)")
     return True

@@ -8,18 +8,20 @@ record only); the launch step (`run.launch.Connection`) reads what that cluster 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpulaunch import discover
-from tpulaunch.cluster.connect import resolve_address
+from tpulaunch import settings
+from tpulaunch.cluster.connect import connect_timeout, resolve_address
 from tpulaunch.cluster.ports import free_port
 from tpulaunch.cluster.record import ClusterInfo, load_record
-from tpulaunch.errors import LaunchError, TpulaunchError
+from tpulaunch.errors import LaunchError, StateError, TpulaunchError
 from tpulaunch.host import frameworks
 from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache, new_run_id, parse_env
-from tpulaunch.plan.mesh import plan_mesh
+from tpulaunch.plan.mesh import MAX_SLICES, plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec
 
 WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "node_modules"]
@@ -45,6 +47,7 @@ class LaunchRequest:
     max_upload_mb: float = 100.0
     ship_workdir: bool = True
     kill_stale: bool = False
+    keep_children: bool = False  # leave what a host's script started running after it exits
     run_id: str | None = None
     # faults (see tpulaunch.run.policy)
     timeout: float | None = None  # wall clock for the whole run
@@ -83,7 +86,10 @@ def find_cluster(req: LaunchRequest) -> Target:
     """`--address` / `RAY_ADDRESS` / `auto`, or an emulated cluster of the same slices left up here."""
     cluster = resolve_address(req.address)
     if cluster is None and req.address is None:
-        cluster = _warm_cluster_for(req)
+        try:
+            cluster = _warm_cluster_for(req)
+        except StateError as e:  # no record to trust: this run starts a cluster of its own, and says why
+            return Target(None, (f"{e.message}; starting a cluster of this run's own ({e.hint})",))
         if cluster is not None:
             return Target(cluster, (f"running on the emulated cluster already up at {cluster.address}"
                                     " (`tpulaunch cluster down` stops it)",))
@@ -102,8 +108,12 @@ def _framework(req: LaunchRequest, workdir: Path) -> tuple[str, str]:
 def checked_workdir(req: LaunchRequest) -> Path:
     """The working directory, after checking it exists."""
     workdir = Path(req.workdir).resolve()
-    if not workdir.is_dir():
+    if not workdir.exists():
         raise LaunchError(f"working directory {req.workdir} does not exist", "pass an existing --workdir")
+    if not workdir.is_dir():
+        raise LaunchError(f"working directory {req.workdir} is a file, not a directory", "pass a directory as --workdir")
+    if not os.access(workdir, os.R_OK | os.X_OK):
+        raise LaunchError(f"working directory {req.workdir} cannot be read by this user", "pass a directory you can read")
     return workdir
 
 
@@ -140,6 +150,10 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
     cluster = target.cluster
     resolved = discover.resolve(req.slices, seen)
     emulated = resolved.emulated or (cluster is not None and cluster.emulated)
+    if emulated and cluster is None:
+        from tpulaunch.cluster.emulated import check_capacity
+
+        check_capacity(resolved.topology.num_hosts * resolved.num_slices)  # this run starts the cluster
     if emulated:
         runtime_env = None  # emulated hosts share this filesystem: the script runs in place
     fw, reason = _framework(req, workdir)
@@ -184,19 +198,54 @@ def _warm_cluster_for(req: LaunchRequest) -> ClusterInfo | None:
 
 
 def validate(req: LaunchRequest) -> None:
-    """Values Typer parses but cannot judge, checked before anything else happens."""
+    """Values Typer parses but cannot judge, checked before anything else happens (exit 2)."""
     positive = [("--schedule-timeout", req.schedule_timeout, "seconds"), ("--max-upload-mb", req.max_upload_mb, "MiB"),
                 ("--idle-timeout", req.idle_timeout, "seconds"),
                 ("--timeout", req.timeout, "seconds"), ("--stall-timeout", req.stall_timeout, "seconds")]
     for flag, value, unit in positive:
-        if value is not None and not value > 0:
-            raise LaunchError(f"{flag} {value:g} is not positive", f"give it in {unit}, above 0")
+        if value is not None and (not math.isfinite(value) or not value > 0):
+            raise LaunchError(f"{flag} {value:g} is not a positive number", f"give it in {unit}, above 0")
     for flag, value in (("--max-restarts", req.max_restarts), ("--max-preemptions", req.max_preemptions),
                         ("--preemption-wait", req.preemption_wait), ("--preemption-grace", req.preemption_grace)):
-        if value < 0:
-            raise LaunchError(f"{flag} {value:g} is negative", "use 0 or more")
+        if not math.isfinite(value) or value < 0:
+            raise LaunchError(f"{flag} {value:g} is not a number of 0 or more", "use 0 or more")
     if req.coordinator_port is not None and not 0 < req.coordinator_port < 65536:
         raise LaunchError(f"coordinator port {req.coordinator_port} is not a TCP port", "use 1-65535")
+    if req.command and not any(w.strip() for w in req.command):
+        raise LaunchError("the command to run is empty", "write it after --, e.g. tpulaunch exec --topology 2x8 -- hostname")
+    if not req.command and not req.script.strip():
+        raise LaunchError("no script given", "tpulaunch run SCRIPT.py --topology 2x8")
+    if req.slices.num_slices is not None:
+        if req.slices.num_slices < 1:
+            raise LaunchError(f"--num-slices {req.slices.num_slices} is not a number of slices", "use 1 or more")
+        if req.slices.num_slices > MAX_SLICES:
+            raise LaunchError(f"--num-slices {req.slices.num_slices} is more slices than a multislice job can have"
+                              f" ({MAX_SLICES})", "check the number")
+    check_log_dir(req.log_dir)
+    connect_timeout()  # read now: a bad value must not surface after a cluster was started
+    user_env = parse_env(list(req.env))
+    for name, default in settings.HOST_SECONDS.items():
+        settings.seconds(name, default, user_env.get(name, os.environ.get(name, "")))
+
+
+_PSEUDO_FS = ("/proc", "/sys", "/dev")
+
+
+def check_log_dir(log_dir: str) -> Path:
+    """`--log-dir` must be (or be creatable as) a directory this user can write, on a real filesystem.
+    Nothing is created here (a dry run leaves no trace): the nearest existing ancestor is checked."""
+    path = Path(log_dir).expanduser().resolve()
+    if any(path == Path(fs) or Path(fs) in path.parents for fs in _PSEUDO_FS):
+        raise LaunchError(f"--log-dir {log_dir} is under {path.parts[0]}{path.parts[1]}, which holds no files",
+                          "give a directory on a real filesystem, e.g. --log-dir runs")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise LaunchError(f"--log-dir {log_dir}: {existing} is a file, not a directory", "give a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise LaunchError(f"--log-dir {log_dir}: {existing} is not writable by this user", "give a directory you can write")
+    return path
 
 
 def workdir_runtime_env(workdir: str, max_mb: float) -> dict:

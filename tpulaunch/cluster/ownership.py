@@ -1,0 +1,139 @@
+"""What tpulaunch may stop or delete on this machine: only what it can prove it created.
+
+A cluster tpulaunch starts here gets a random id. Three pieces of evidence carry it, and nothing
+is stopped or deleted without them:
+
+* its temp dir is `/tmp/tpl-*` (tpulaunch's own naming), a real directory (no symlink) owned by
+  this user, holding the marker file `tpulaunch-cluster` with the id;
+* every process of the cluster (Ray's and the host processes under it) is started with
+  `TPULAUNCH_CLUSTER_ID=<id>` in its environment, an exact entry, not a substring of some argument.
+  Ray's agents and workers rename themselves (setproctitle), which can wipe what /proc shows of
+  their environment; they are known by the files they hold open inside the verified temp dir;
+* the cluster record (`cluster.json`) names the id.
+
+A record whose temp dir fails the check is refused with one line saying which field is wrong and
+how to clean up by hand: `cluster down` never trusts a path just because a file names it.
+`find_orphans()` finds clusters by their markers alone, for `cluster down --force` when the
+record is gone or unreadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpulaunch import procfs
+from tpulaunch.cluster.processes import names_dir
+from tpulaunch.errors import StateError
+
+MARKER = "tpulaunch-cluster"  # the file inside a cluster's temp dir that says it is ours
+ID_ENV = "TPULAUNCH_CLUSTER_ID"  # in the environment of every process of the cluster
+PREFIX = "tpl-"
+
+
+def new_cluster_id() -> str:
+    return secrets.token_hex(8)
+
+
+def temp_root() -> Path:
+    return Path(tempfile.gettempdir())
+
+
+def make_temp_dir(cluster_id: str) -> str:
+    """A new `/tmp/tpl-*` dir (short: Ray's socket paths must fit 107 bytes) with the marker in it."""
+    path = tempfile.mkdtemp(prefix=PREFIX, dir=str(temp_root()))
+    fd = os.open(os.path.join(path, MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"cluster_id": cluster_id, "created": time.time(), "pid": os.getpid()}, f)
+    return path
+
+
+def marker_id(temp_dir: str) -> str | None:
+    """The id in the marker of `temp_dir`, or None when there is no readable marker of ours."""
+    path = Path(temp_dir, MARKER)
+    try:
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        cid = json.loads(path.read_text()).get("cluster_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return cid if isinstance(cid, str) and cid else None
+
+
+def check_temp_dir(temp_dir: object, cluster_id: object, record: str) -> str:
+    """`temp_dir` if it is a cluster dir tpulaunch made for `cluster_id`; else StateError naming the field."""
+    where = f"cluster record {record}"
+    fix = (f"it is not one tpulaunch made, so nothing was stopped or deleted; remove the record (rm {record})"
+           " and stop that cluster's processes yourself, or `tpulaunch cluster down --force` to find ours by marker")
+    if not isinstance(temp_dir, str) or not temp_dir:
+        raise StateError(f"{where}: field 'temp_dir' is {temp_dir!r}, not a path", fix)
+    p = Path(temp_dir)
+    if not p.is_absolute() or p.parent != temp_root() or not p.name.startswith(PREFIX):
+        raise StateError(f"{where}: field 'temp_dir' is {temp_dir}, not a {temp_root()}/{PREFIX}* directory", fix)
+    try:
+        st = p.lstat()
+    except FileNotFoundError:
+        return temp_dir  # already gone: nothing to delete, its processes are found by id
+    except OSError as e:
+        raise StateError(f"{where}: field 'temp_dir' ({temp_dir}) cannot be read: {e.strerror}", fix) from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise StateError(f"{where}: field 'temp_dir' ({temp_dir}) is not a directory of this user", fix)
+    if not isinstance(cluster_id, str) or not cluster_id:
+        raise StateError(f"{where} has no 'cluster_id' (written by an older tpulaunch?)", fix)
+    found = marker_id(temp_dir)
+    if found != cluster_id:
+        what = "has no tpulaunch marker" if found is None else f"is marked for cluster {found}"
+        raise StateError(f"{where}: field 'temp_dir' ({temp_dir}) {what}, not for cluster {cluster_id}", fix)
+    return temp_dir
+
+
+def cluster_pids(cluster_id: str, temp_dir: str | None = None) -> list[int]:
+    """Live processes of the cluster: started with `TPULAUNCH_CLUSTER_ID=<cluster_id>`, or (given its
+    verified `temp_dir`) this user's processes holding a file open inside it or naming it as an
+    argument, path component by path component (`/tmp/tpl-ab` never matches `/tmp/tpl-abc`)."""
+    entry = f"{ID_ENV}={cluster_id}".encode()
+    me = os.getuid()
+    out = []
+    for proc in procfs.processes():
+        if not procfs.alive(proc.pid):
+            continue
+        if entry in proc.environ().split(b"\0"):
+            out.append(proc.pid)
+        elif temp_dir and proc.uid() == me and names_dir(proc, temp_dir):
+            out.append(proc.pid)
+    return out
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A cluster tpulaunch started on this machine, found by its markers."""
+
+    cluster_id: str
+    temp_dir: str | None  # None: its dir is gone, only processes remain
+    pids: tuple[int, ...]
+
+
+def find_orphans() -> list[Orphan]:
+    """Every cluster of ours on this machine: marked temp dirs, and processes carrying a cluster id."""
+    by_id: dict[str, str | None] = {}
+    for d in sorted(temp_root().glob(f"{PREFIX}*")):
+        cid = marker_id(str(d))
+        if cid is not None and not d.is_symlink():
+            by_id[cid] = str(d)
+    prefix = f"{ID_ENV}=".encode()
+    pids: dict[str, list[int]] = {}
+    for proc in procfs.processes():
+        for item in proc.environ().split(b"\0"):
+            if item.startswith(prefix) and procfs.alive(proc.pid):
+                cid = item[len(prefix):].decode(errors="replace")
+                pids.setdefault(cid, []).append(proc.pid)
+                by_id.setdefault(cid, None)
+                break
+    return [Orphan(cid, d, tuple(pids.get(cid, ()))) for cid, d in sorted(by_id.items())]
