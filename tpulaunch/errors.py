@@ -17,6 +17,7 @@ class ExitCode:
     STATE = 6  # tpulaunch's own state here cannot be used: a corrupt or foreign record, an exposed token
     INTERNAL = 70  # a bug in tpulaunch (EX_SOFTWARE)
     HOST_LOST = 75  # a host was lost (node or agent died) or preempted, beyond --max-preemptions (EX_TEMPFAIL)
+    PREFLIGHT = 78  # the checks before any script (versions, ports, chips, ids) found a problem (EX_CONFIG)
     BOOT_FAILED = 86  # a host could not boot its framework or build the mesh
     TPU_BUSY = 87  # a leftover process holds a host's TPU
     TIMEOUT = 124  # --timeout or --stall-timeout ran out (as timeout(1) exits)

@@ -14,8 +14,41 @@ PYTHON_BIN = str(Path(sys.executable).parent)  # has python3 (for the fake gclou
 
 
 def hermetic_path(gcloud: bool = False) -> str:
-    """A PATH with no real gcloud on it (a machine may have /usr/bin/gcloud), or the fake one first."""
-    return os.pathsep.join([str(FAKE_BIN), PYTHON_BIN] if gcloud else [PYTHON_BIN])
+    """A PATH with no real Cloud SDK on it (this machine has /usr/bin/gcloud), or the fake one first.
+
+    The system's tools stay, as on any real machine (Ray's job manager runs `bash`): through a
+    directory of links to them that leaves the Cloud SDK's commands out."""
+    dirs = [str(FAKE_BIN)] if gcloud else []
+    return os.pathsep.join([*dirs, PYTHON_BIN, system_bin()])
+
+
+_CLOUD_SDK = {"gcloud", "gsutil", "bq", "docker-credential-gcloud", "git-credential-gcloud.sh"}
+
+
+def system_bin() -> str:
+    """A directory of links to /usr/local/bin, /usr/bin and /bin, without the Cloud SDK (made once
+    per machine, atomically: parallel test processes may race to make it)."""
+    import hashlib
+    import tempfile
+
+    dirs = ("/usr/local/bin", "/usr/bin", "/bin")
+    names: dict[str, str] = {}
+    for d in dirs:
+        for n in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+            if n not in _CLOUD_SDK and n not in names:
+                names[n] = os.path.join(d, n)
+    key = hashlib.sha256("\0".join(f"{n}={p}" for n, p in names.items()).encode()).hexdigest()[:12]
+    out = Path(tempfile.gettempdir()) / f"tplt-sysbin-{os.getuid()}-{key}"
+    if not out.is_dir():
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+        for n, p in names.items():
+            os.symlink(p, tmp / n)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process made it first
+            subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    return str(out)
+
 
 # Inherited variables that would let the host machine leak into a test.
 _SCRUB_PREFIXES = ("TPULAUNCH_", "GOOGLE_", "CLOUDSDK_", "GCE_", "FAKE_GCLOUD_", "NO_GCE_CHECK", "TPU_")
@@ -50,11 +83,11 @@ def cli_env(home: Path, *, gcloud: bool = False, **extra: str) -> dict[str, str]
     return env
 
 
-def run_cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict[str, str], timeout: float = 60, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """Run the real console entry (`python -m tpulaunch ...`) in a subprocess."""
     return subprocess.run(
         [sys.executable, "-m", "tpulaunch", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
     )
 
 

@@ -1,12 +1,14 @@
 """Real-slice bring-up (`cluster up --tpu`, `status`, `down`, `join`, `doctor`) against the fakes.
 
-The fake Cloud TPU API serves a v4-32 (2x2x4, 4 workers); the fake `gcloud` runs each worker's
-command on this machine with that worker's TPU env (see tests/fakes/bin/gcloud for how 4 workers
-share one machine). Ray itself is real: 4 raylets, token auth on.
+The fake Cloud TPU API serves a v4-16 (2x2x2, 2 workers); the fake `gcloud` runs each worker's
+command on this machine with that worker's TPU env (see tests/fakes/bin/gcloud for how workers
+share one machine). Ray itself is real: a raylet per worker, token auth on. The head runs on
+worker 0, or (`--head local`) here, off the slice.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -21,7 +23,7 @@ import pytest
 
 from fakes import FAKE_BIN, closed_port, cli_env, hermetic_path, run_cli
 from fakes.metadata_server import FakeMetadataServer
-from fakes.tpu_api_server import FakeTpuApi, standard_nodes
+from fakes.tpu_api_server import FakeTpuApi, make_node, standard_nodes
 
 from tpulaunch import gcloud
 from tpulaunch.cluster import remote as ray_remote
@@ -29,6 +31,10 @@ from tpulaunch.host import tpu_holders
 from tpulaunch.plan import topology
 
 ZONE = "us-central2-b"
+# The slice these tests bring Ray up on: 2 TPU VMs (a v4-32 would only take longer to start).
+SLICE = make_node(ZONE, "my-v4-16", accelerator_type="v4-16", accelerator_config={"type": "V4", "topology": "2x2x2"},
+                  ips=["10.130.5.2", "10.130.5.3"], spot=True)
+WORKERS = 2
 
 
 def slices_json(nodes: list[dict]) -> dict:
@@ -63,7 +69,8 @@ def ssh_commands(log: Path) -> list[tuple[int, str]]:
 
 
 def procs_of(temp_dir: str) -> list[int]:
-    """Live processes naming the cluster's temp dir in argv or holding a file open in it."""
+    """Live processes naming the cluster's temp dir in argv or holding a file open in it (or in a
+    worker's copy of it: the fake gcloud gives each worker its own /tmp, `/tmp/tplt-x-vm<h>-<N>`)."""
     out = []
     for e in os.listdir("/proc"):
         if not e.isdigit():
@@ -75,7 +82,7 @@ def procs_of(temp_dir: str) -> list[int]:
             if not hit:
                 for fd in os.listdir(f"/proc/{e}/fd"):
                     try:
-                        if os.readlink(f"/proc/{e}/fd/{fd}").startswith(temp_dir + "/"):
+                        if temp_dir in os.readlink(f"/proc/{e}/fd/{fd}"):
                             hit = True
                             break
                     except OSError:
@@ -87,11 +94,27 @@ def procs_of(temp_dir: str) -> list[int]:
     return out
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        fds = []
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                fds.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                pass
+        env = [e for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"TPULAUNCH" in e or b"TPU_W" in e]
+        return (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:60].strip()
+                + f" ppid={Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[1]} env={env}"
+                + f" files={[f for f in fds if f.startswith('/')][:6]}")
+    except OSError:
+        return "(gone)"
+
+
 @pytest.fixture(scope="module")
 def remote(tmp_path_factory):
     """Fake API + fake gcloud env, a fresh TPULAUNCH_HOME/HOME; the Ray cluster is stopped at the end."""
     base = tmp_path_factory.mktemp("remote")
-    nodes = standard_nodes()
+    nodes = standard_nodes() + [SLICE]
     sl = base / "slices.json"
     sl.write_text(json.dumps(slices_json(nodes)))
     temp_dir = f"/tmp/tplt-{uuid.uuid4().hex[:8]}"
@@ -104,7 +127,7 @@ def remote(tmp_path_factory):
         try:
             yield ctx
         finally:
-            left = procs_of(temp_dir)
+            left = [(pid, _cmdline(pid)) for pid in procs_of(temp_dir)]
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 for pid in procs_of(temp_dir):
                     try:
@@ -112,13 +135,13 @@ def remote(tmp_path_factory):
                     except OSError:
                         pass
                 time.sleep(2)
-            subprocess.run(["rm", "-rf", temp_dir], check=False)
+            subprocess.run(["rm", "-rf", temp_dir, *glob.glob(temp_dir + "-vm*")], check=False)
             assert not left, f"cluster processes left behind: {left}"
 
 
-def up_args(ctx) -> list[str]:
-    return ["cluster", "up", "--tpu", "my-v4", "--zone", ZONE, "--project", "p",
-            "--port", str(ctx["port"]), "--ray-temp-dir", ctx["temp_dir"], "--json"]
+def up_args(ctx, *more: str) -> list[str]:
+    return ["cluster", "up", "--tpu", "my-v4-16", "--zone", ZONE, "--project", "p",
+            "--port", str(ctx["port"]), "--ray-temp-dir", ctx["temp_dir"], "--json", *more]
 
 
 def test_up_status_idempotent_down(remote):
@@ -127,16 +150,16 @@ def test_up_status_idempotent_down(remote):
     p = run_cli(*up_args(remote), env=env, timeout=240)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    assert doc["address"] == f"10.130.0.2:{remote['port']}" and doc["emulated"] is False
-    assert doc["remote"]["tpu"] == "my-v4"
+    assert doc["address"] == f"10.130.5.2:{remote['port']}" and doc["emulated"] is False
+    assert doc["remote"]["tpu"] == "my-v4-16" and doc["remote"]["head"] == "worker-0"
     # Piped: one plain progress line per host state change.
-    for w in range(4):
+    for w in range(WORKERS):
         assert f"worker {w}: " in p.stderr
-    assert "worker 0: head up" in p.stderr and "worker 3: joined" in p.stderr
+    assert "worker 0: head up" in p.stderr and "worker 1: joined" in p.stderr
 
     cmds = ssh_commands(log)
     starts = [(w, c) for w, c in cmds if "ray.scripts.scripts start" in c]
-    assert sorted(w for w, _ in starts) == [0, 1, 2, 3]
+    assert sorted(w for w, _ in starts) == list(range(WORKERS))
     token = Path(doc["token_path"]).read_text().strip()
     assert len(token) == 64
     assert stat.S_IMODE(os.stat(doc["token_path"]).st_mode) == 0o600
@@ -146,25 +169,32 @@ def test_up_status_idempotent_down(remote):
         assert f"TPULAUNCH_CLUSTER_ID={cid}" in c and "tpulaunch-cluster" in c  # its processes and temp dir are marked
         assert "cat > " in c and "umask 077" in c
         assert token not in c  # the secret went over stdin, never argv
-        assert f"--node-ip-address 10.130.0.{w + 2}" in c  # the worker's internal IP from the API
+        assert f"--node-ip-address 10.130.5.{w + 2}" in c  # the worker's internal IP from the API
         assert "--dashboard-agent-listen-port 0" in c
         if w == 0:
             assert "--head" in c and f"--port {remote['port']}" in c and "--dashboard-host 127.0.0.1" in c
         else:
-            assert f"--address 10.130.0.2:{remote['port']}" in c
+            assert f"--address 10.130.5.2:{remote['port']}" in c
     assert all(token not in " ".join(a) for a in recorded(log))
     remote_tok = Path(env["HOME"]) / ".tpulaunch" / "ray_token"
     assert remote_tok.read_text().strip() == token
     assert stat.S_IMODE(remote_tok.stat().st_mode) == 0o600
 
-    # status --json: 4 alive hosts of one slice, asked of the head through worker 0.
+    # status --json: the alive hosts of one slice, asked of the head through worker 0.
     s = run_cli("cluster", "status", "--json", env=env, timeout=120)
     assert s.returncode == 0, s.stderr
     st = json.loads(s.stdout)
-    assert [sl["name"] for sl in st["slices"]] == ["my-v4"]
+    assert [sl["name"] for sl in st["slices"]] == ["my-v4-16"]
     hosts = st["slices"][0]["hosts"]
-    assert [(h["worker_id"], h["alive"]) for h in hosts] == [(w, True) for w in range(4)]
-    assert st["slices"][0]["pod_type"] == "v4-32" and st["slices"][0]["topology"] == "2x2x4"
+    assert [(h["worker_id"], h["alive"]) for h in hosts] == [(w, True) for w in range(WORKERS)]
+    assert st["slices"][0]["pod_type"] == "v4-16" and st["slices"][0]["topology"] == "2x2x2"
+    # a run with a preemption budget is told, in one line, that the head shares the slice's fate (and
+    # from here, outside the slice's network, that the head at worker 0's internal IP is out of reach)
+    (remote["base"] / "t.py").write_text("print('x')\n")
+    warn = run_cli("run", "t.py", "--address", "auto", "--max-preemptions", "1", "--dry-run",
+                   env={**env, "TPULAUNCH_CONNECT_TIMEOUT": "2"}, cwd=remote["base"], timeout=120)
+    assert "the Ray head runs on worker 0 of TPU 'my-v4-16': a preemption of that worker ends the run" in warn.stderr
+    assert warn.returncode == 5 and "Ray at 10.130.5.2" in warn.stderr, warn.stderr
 
     # Without the token, Ray refuses the connection (with it, status above got in).
     no_tok = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
@@ -180,19 +210,89 @@ def test_up_status_idempotent_down(remote):
     new = ssh_commands(log)[n_before:]
     assert new and not any("ray.scripts.scripts start" in c for _, c in new)
     assert [w for w, _ in new] == [0]  # just the question to the head
-    assert p2.stderr.count("already in the cluster") == 4
+    assert p2.stderr.count("already in the cluster") == WORKERS
 
     assert procs_of(tdir)
     d = run_cli("cluster", "down", "--json", env=env, timeout=120)
     assert d.returncode == 0, d.stderr
     dd = json.loads(d.stdout)
-    assert dd["processes_stopped"] > 0 and sorted(dd["hosts"]) == ["0", "1", "2", "3"]
+    assert dd["processes_stopped"] > 0 and sorted(dd["hosts"]) == [str(w) for w in range(WORKERS)]
     stops = [w for w, c in ssh_commands(log) if "tpulaunch-stop" in c]
-    assert sorted(stops) == [0, 1, 2, 3]
+    assert sorted(stops) == list(range(WORKERS))
     assert procs_of(tdir) == []
+    assert glob.glob(tdir + "*") == []  # each worker's temp dir, marked as ours, is gone
     assert not Path(doc["token_path"]).exists()
     assert run_cli("cluster", "status", "--json", env=env, timeout=60).returncode != 0  # nothing recorded now
     print(f"lifecycle took {time.monotonic() - t0:.1f}s")
+
+
+def _worker_raylet(name: str, worker: int) -> int:
+    """The raylet the fake gcloud started for one worker of the slice (by the TPU env it was given)."""
+    found = []
+    for e in os.listdir("/proc"):
+        try:
+            env = Path(f"/proc/{e}/environ").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{e}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"/raylet" in argv and f"TPU_NAME={name}".encode() in env and f"TPU_WORKER_ID={worker}".encode() in env:
+            found.append(int(e))
+    (pid,) = found
+    return pid
+
+
+def test_head_off_the_slice_keeps_a_detached_run_through_a_preemption_of_worker_0(remote):
+    """`cluster up --tpu --head local`: the head (GCS, dashboard with the job API) runs here with no
+    TPU, every worker joins it; a detached run with --max-preemptions 1 outlives worker 0's node,
+    waits for it to come back (`cluster up` again re-joins it, as after a re-created VM), relaunches."""
+    env, base = remote["env"], remote["base"]
+    up = run_cli(*up_args(remote, "--head", "local", "--head-ip", "127.0.0.2"), env=env, timeout=240)
+    assert up.returncode == 0, up.stderr
+    doc = json.loads(up.stdout)
+    assert doc["remote"]["head"] == "local" and doc["address"] == f"127.0.0.2:{remote['port']}"
+    starts = [(w, c) for w, c in ssh_commands(remote["log"]) if "ray.scripts.scripts start" in c]
+    assert sorted(w for w, _ in starts[-WORKERS:]) == list(range(WORKERS))
+    assert all("--head" not in c and f"--address 127.0.0.2:{remote['port']}" in c for _, c in starts[-WORKERS:])
+    head_dir = json.loads((Path(env["TPULAUNCH_HOME"]) / "cluster.json").read_text())["temp_dir"]
+    assert procs_of(head_dir), "the head does not run here"
+    st = json.loads(run_cli("cluster", "status", "--json", env=env, timeout=120).stdout)
+    assert [(h["worker_id"], h["alive"]) for h in st["slices"][0]["hosts"]] == [(w, True) for w in range(WORKERS)]
+    try:
+        (base / "resume.py").write_text(
+            "import time, tpulaunch\nctx = tpulaunch.context()\nprint('up', ctx.process_index, 'restart',"
+            " ctx.restart_count, flush=True)\ntime.sleep(600 if ctx.restart_count == 0 else 1)\nprint('done')\n")
+        sub = run_cli("run", "resume.py", "--address", "auto", "--framework", "none", "--detach", "--max-preemptions",
+                      "1", "--preemption-wait", "180", cwd=base, env=env, timeout=120)
+        assert sub.returncode == 0, sub.stderr
+        run_id = sub.stdout.strip()
+
+        def hosts_up():
+            d = json.loads(run_cli("status", run_id, "--json", env=env, timeout=60).stdout)
+            return d if [h["last_line"] for h in d["hosts"]] == [f"up {w} restart 0" for w in range(WORKERS)] else None
+
+        end = time.monotonic() + 180
+        while not hosts_up():
+            assert time.monotonic() < end, "the hosts never came up: " + run_cli(
+                "logs", run_id, env=env, timeout=60).stdout[-3000:]
+            time.sleep(1)
+        os.kill(_worker_raylet("my-v4-16", 0), signal.SIGKILL)  # worker 0 is preempted: its node goes
+        end = time.monotonic() + 90  # Ray's GCS declares the node dead after its health checks fail
+        while (d := json.loads(run_cli("status", run_id, "--json", env=env, timeout=60).stdout))["state"] != "restarting":
+            assert d["state"] == "running" and time.monotonic() < end, d  # the supervisor, on the head, lives on
+            time.sleep(1)
+        rejoin = run_cli(*up_args(remote, "--head", "local", "--head-ip", "127.0.0.2"), env=env, timeout=240)
+        assert rejoin.returncode == 0, rejoin.stderr  # the VM is back: join it to the same head
+        wait = run_cli("wait", run_id, "--json", env=env, timeout=300)
+        assert wait.returncode == 0, wait.stdout + wait.stderr
+        final = json.loads(wait.stdout)
+        assert [a["outcome"] for a in final["attempts"]] == ["lost", "ok"]
+        assert final["attempts"][0]["who"] == "host 0 node lost"
+    finally:
+        down = run_cli("cluster", "down", "--json", env=env, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert "head" in json.loads(down.stdout)["hosts"]
+    left = [(pid, _cmdline(pid)) for pid in procs_of(remote["temp_dir"]) + procs_of(head_dir)]
+    assert left == [] and glob.glob(remote["temp_dir"] + "*") == [] and not Path(head_dir).exists()
 
 
 # -- quoting ------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ def _root(
 # One module per command (or command group), in the order `tpulaunch --help` lists them.
 COMMAND_MODULES = {
     "topology": "cmd_topology", "mesh": "cmd_mesh", "run": "cmd_run", "exec": "cmd_exec",
-    "slice": "cmd_slice", "cluster": "cmd_cluster",
+    "runs": "cmd_runs", "status": "cmd_runs", "logs": "cmd_runs", "stop": "cmd_runs", "wait": "cmd_runs",
+    "slice": "cmd_slice", "cluster": "cmd_cluster", "supervise": "cmd_run",
 }
 
 
@@ -57,7 +58,7 @@ def _register(argv: list[str]) -> None:
     import importlib
 
     first = next((a for a in argv if not a.startswith("-")), None)
-    wanted = [COMMAND_MODULES[first]] if first in COMMAND_MODULES else list(COMMAND_MODULES.values())
+    wanted = [COMMAND_MODULES[first]] if first in COMMAND_MODULES else list(dict.fromkeys(COMMAND_MODULES.values()))
     for name in wanted:
         importlib.import_module(f"tpulaunch.cli.{name}")
 
@@ -124,7 +125,29 @@ def invoke(argv: list[str]) -> int:
 
 def main() -> None:
     """Console-script entry point."""
+    _native_stderr_to_log(sys.argv[1:])
     _leave(invoke(sys.argv[1:]))
+
+
+def _native_stderr_to_log(argv: list[str]) -> None:
+    """What native code writes to fd 2 (Ray's C++ core: retries, warnings, also from its threads
+    as the process exits) goes to `ray-driver.log` in the state dir; tpulaunch's own lines and
+    Python's tracebacks go to the real stderr. A terminal or a CI log then shows tpulaunch's one
+    line, not Ray's chatter. Off with --debug."""
+    if "--debug" in argv or os.environ.get("TPULAUNCH_DEBUG", "") not in ("", "0"):
+        return
+    try:
+        from tpulaunch.cluster.record import state_dir
+
+        log = os.open(state_dir() / "ray-driver.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    except Exception:  # noqa: BLE001 - a bad state dir is reported by the command itself
+        return
+    sys.stderr.flush()
+    real = os.dup(2)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stderr = os.fdopen(real, "w", buffering=1, encoding=getattr(sys.stderr, "encoding", None) or "utf-8",
+                           errors="replace")
 
 
 def _leave(code: int) -> None:

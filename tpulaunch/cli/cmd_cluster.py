@@ -31,7 +31,9 @@ def up(
     chips_per_host: Optional[int] = opt.CHIPS_PER_HOST,
     num_slices: Optional[int] = opt.NUM_SLICES,
     name: str = typer.Option("emulated", "--name", help="Slice name the emulated hosts carry (ray.io/tpu-slice-name)."),
-    dashboard: bool = typer.Option(False, "--dashboard", help="Also start Ray's dashboard (bound to 127.0.0.1)."),
+    dashboard: bool = typer.Option(True, "--dashboard/--no-dashboard",
+                                   help="Ray's dashboard on the head: the job API detached runs need (emulated: bound"
+                                        " to 127.0.0.1; token auth on)."),
     prewarm: str = typer.Option("torch_xla", "--prewarm",
                                 help="Leave a spare process with this framework imported on every host: torch_xla, jax, none."),
     tpu: Optional[str] = typer.Option(None, "--tpu", help="A real TPU VM slice (node name): bring Ray up on its workers over gcloud ssh."),
@@ -43,6 +45,12 @@ def up(
                                       help="--tpu: the Python on the TPU VMs that has Ray installed."),
     ray_temp_dir: Optional[str] = typer.Option(None, "--ray-temp-dir",
                                                help="--tpu: Ray's temp dir on the VMs (default /tmp/tpl-<hash>)."),
+    head: str = typer.Option("worker-0", "--head",
+                             help="--tpu: where the Ray head runs: worker-0, or local (this machine, off the slice:"
+                                  " a preemption of the slice then spares the head and detached runs)."),
+    head_ip: Optional[str] = typer.Option(None, "--head-ip",
+                                          help="--head local: the address the TPU workers reach this machine at"
+                                               " (default: this machine's address on the route to worker 0)."),
     json_out: bool = opt.JSON,
 ) -> None:
     """Start a Ray cluster and leave it running: emulated on this machine, or on a real slice (--tpu).
@@ -53,7 +61,8 @@ def up(
     out = Output(json_mode=json_out)
     if tpu:
         remote.up_remote(out, tpu, zone, project, port=port, python=remote_python, temp_dir=ray_temp_dir,
-                         dashboard=dashboard, topology=topology, accelerator=accelerator, json_out=json_out)
+                         dashboard=dashboard, topology=topology, accelerator=accelerator, json_out=json_out,
+                         head=head, head_ip=head_ip)
         return
     if prewarm not in frameworks.names():
         raise LaunchError(f"--prewarm {prewarm} is not a framework", f"choose one of {', '.join(frameworks.names())}")
@@ -89,7 +98,7 @@ def up(
                 out.warn(f"no spare processes: {e.line()}")
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": True,
-                  "slices": info.slices, "token_path": info.token_path})
+                  "slices": info.slices, "token_path": info.token_path, "dashboard": info.dashboard})
     else:
         out.warn(f"EMULATED cluster: {len(resolved.slices)} x {t.accelerator_type} ({t.topology}) on this machine")
         out.line(f"cluster up at {info.address} (token auth on; token in {info.token_path})")

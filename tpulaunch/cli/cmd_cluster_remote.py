@@ -35,22 +35,30 @@ class HostProgress:
         self.lock = threading.Lock()
 
     def __call__(self, worker: int, state: str) -> None:
+        """`worker` HEAD (-1) is a head off the slice (`--head local`)."""
+        from tpulaunch.cluster.remote import HEAD
+
         with self.lock:
             self.states[worker] = state
             if self.st is not None:
-                self.st.update("  ".join(f"w{w}: {s}" for w, s in sorted(self.states.items())))
+                self.st.update("  ".join(f"{'head' if w == HEAD else f'w{w}'}: {s}"
+                                         for w, s in sorted(self.states.items())))
             else:
-                self.out.info(f"worker {worker}: {state}")
+                self.out.info(f"{'head' if worker == HEAD else f'worker {worker}'}: {state}")
 
 
 def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, port: int, python: str,
               temp_dir: str | None, dashboard: bool, topology: str | None, accelerator: str | None,
-              json_out: bool) -> None:
+              json_out: bool, head: str = "worker-0", head_ip: str | None = None) -> None:
     from tpulaunch import discover
-    from tpulaunch.cluster.remote import RemoteSlice
+    from tpulaunch.cluster import ownership
+    from tpulaunch.cluster.ports import free_port
+    from tpulaunch.cluster.remote import LocalHead, RemoteSlice, route_ip
 
+    if head not in ("worker-0", "local"):
+        raise TpulaunchError(f"--head {head} is neither worker-0 nor local", "--head local puts the Ray head here")
     rec = load_record()
-    if rec is not None and rec.running_here:
+    if rec is not None and rec.emulated and rec.running_here:
         raise ClusterError(f"an emulated cluster is up at {rec.address}", "stop it first with `tpulaunch cluster down`")
     spec = discover.describe_node(tpu, zone=zone, project=project)
     discover.check_matches(spec, topology, accelerator)
@@ -59,7 +67,23 @@ def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, p
             spec.name, spec.zone, spec.project):
         raise ClusterError(f"a cluster on TPU '{rec.remote['tpu']}' is recorded as up",
                            "stop it first with `tpulaunch cluster down`")
-    rs = RemoteSlice(spec, port=port, temp_dir=temp_dir, python=python, dashboard=dashboard)
+    local = None
+    if head == "local":
+        same = rec is not None and rec.remote and rec.remote.get("head") == "local" and rec.running_here
+        if same:
+            local = LocalHead(ip=rec.remote["head_ip"], temp_dir=rec.temp_dir, dashboard_port=int(rec.remote["dashboard_port"]),
+                              python=rec.remote.get("head_python") or sys.executable)
+        else:
+            ip = head_ip or route_ip(spec.workers[0].ip)
+            local = LocalHead(ip=ip, temp_dir="", dashboard_port=free_port(), python=sys.executable)
+    rs = RemoteSlice(spec, port=port, temp_dir=temp_dir, python=python, dashboard=dashboard, head=local)
+    if local is not None and not local.temp_dir:
+        from dataclasses import replace
+
+        from tpulaunch.cluster.remote import cluster_id_of, ensure_token
+
+        _path, token, _created = ensure_token(rs.key)
+        rs.head = replace(local, temp_dir=ownership.make_temp_dir(cluster_id_of(token)))
     n = len(spec.workers)
     with out.status(f"bringing up Ray on {n} host(s) of {spec.name} ...") as st:
         info = rs.up(progress=HostProgress(out, st, n))
@@ -68,8 +92,9 @@ def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, p
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,
                   "slices": info.slices, "token_path": info.token_path, "remote": info.remote})
     else:
-        out.line(f"cluster up at {info.address} on TPU {spec.name} ({spec.accelerator_type}, {n} hosts; "
-                 f"token auth on; token in {info.token_path})")
+        where = "the head here (off the slice)" if local else "the head on worker 0"
+        out.line(f"cluster up at {info.address} on TPU {spec.name} ({spec.accelerator_type}, {n} hosts, {where};"
+                 f" token auth on; token in {info.token_path})")
 
 
 def status_doc_remote(info: ClusterInfo) -> dict:
@@ -102,6 +127,7 @@ def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
         results = rs.down(progress=HostProgress(out, st, n))
     bad = {w: (r.get("error") or f"{len(r['left'])} process(es) left") for w, r in results.items()
            if r.get("error") or r.get("left")}
+    results = {("head" if w == -1 else w): r for w, r in results.items()}
     if bad:
         raise ClusterError("could not stop Ray on " + "; ".join(f"worker {w}: {m}" for w, m in sorted(bad.items())),
                            "run `tpulaunch cluster down` again")
@@ -111,7 +137,7 @@ def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
     stopped = sum(r.get("stopped", 0) for r in results.values())
     if json_out:
         out.json({"schema": "tpulaunch.cluster-down/v1", "address": rec.address, "processes_stopped": stopped,
-                  "hosts": {str(w): r for w, r in sorted(results.items())}})
+                  "hosts": {str(w): r for w, r in sorted(results.items(), key=lambda kv: str(kv[0]))}})
     else:
         out.line(f"cluster {rec.address} on TPU {rs.spec.name} stopped ({stopped} processes on {n} hosts)")
 

@@ -33,6 +33,7 @@ def exec_cmd(
     no_ship: bool = typer.Option(False, "--no-ship", help="Do not ship the working directory."),
     kill_stale: bool = opt.KILL_STALE,
     keep_children: bool = opt.KEEP_CHILDREN,
+    no_preflight: bool = opt.NO_PREFLIGHT,
     timeout: Optional[float] = opt.TIMEOUT,
     stall_timeout: Optional[float] = opt.STALL_TIMEOUT,
     max_restarts: int = opt.MAX_RESTARTS,
@@ -50,7 +51,7 @@ def exec_cmd(
         command=tuple(command),
         slices=discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
                                      tpu=tpu, zone=zone, project=project, force=force, num_slices=num_slices),
-        env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, address=address, distributed=False, log_dir=log_dir,
+        env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, address=address, distributed=False, log_dir=log_dir,
         workdir=workdir, ship_workdir=not no_ship, timeout=timeout, stall_timeout=stall_timeout,
         max_restarts=max_restarts,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 import typer
@@ -16,7 +17,7 @@ from tpulaunch.errors import LaunchError
 from tpulaunch.run import Outcome, RunSummary
 
 
-class TerminalSink:
+class TerminalSink(run.Sink):
     """Host lines as `[host 2] ...`: colored on a terminal, plain in a pipe, on stderr with --json."""
 
     def __init__(self, out: Output, show: set[int] | None) -> None:
@@ -72,9 +73,7 @@ def report(out: Output, summary: RunSummary, sink: TerminalSink | None = None) -
         out.json(summary.to_dict())
         return
     for a in summary.attempts[:-1]:
-        f = a.first_failure
-        who = f"host {f.process_index} {f.reason}" if f else "no host failed"
-        out.info(f"attempt {a.index}: {a.outcome}: {who}; logs in {a.log_dir}")
+        out.info(f"attempt {a.index}: {a.outcome}: {a.who or 'no host failed'}; logs in {a.log_dir}")
     for h in summary.hosts:
         note = " (stopped by tpulaunch)" if h.stopped_by_tpulaunch and not h.lost else ""
         out.info(f"host {h.process_index} (slice {h.slice_index} worker {h.worker_id}): {h.reason or 'did not start'}"
@@ -91,6 +90,9 @@ def report(out: Output, summary: RunSummary, sink: TerminalSink | None = None) -
                   f"; its log: {f.log}{tail}; exit {summary.exit_code}")
     elif not summary.attempts:
         out.error(f"run {summary.run_id} ended before any host started; {where}")
+    elif summary.exit_code != 0:
+        out.error(f"run {summary.run_id}: {summary.attempts[-1].who or summary.note or summary.outcome}; {where};"
+                  f" exit {summary.exit_code}")
     else:
         again = f" after {len(summary.attempts) - 1} relaunch(es)" if len(summary.attempts) > 1 else ""
         out.info(f"run {summary.run_id}: all {len(summary.hosts)} host(s) exited 0{again}; {where}")
@@ -145,6 +147,7 @@ def run_cmd(
     max_upload_mb: float = typer.Option(100.0, "--max-upload-mb", help="Refuse to ship a working directory larger than this."),
     kill_stale: bool = opt.KILL_STALE,
     keep_children: bool = opt.KEEP_CHILDREN,
+    no_preflight: bool = opt.NO_PREFLIGHT,
     timeout: Optional[float] = opt.TIMEOUT,
     stall_timeout: Optional[float] = opt.STALL_TIMEOUT,
     max_restarts: int = opt.MAX_RESTARTS,
@@ -160,6 +163,11 @@ def run_cmd(
                                       help="Leave the emulated cluster this run starts up; the next runs use it (warm)."),
     idle_timeout: float = typer.Option(1800.0, "--idle-timeout", metavar="SECONDS",
                                        help="With --keep-cluster: stop the cluster after this long unused."),
+    detach: bool = typer.Option(False, "--detach",
+                                help="Run the supervision on the cluster's head as a Ray job; print the run id and"
+                                     " return (follow with `tpulaunch logs/status/wait RUN`)."),
+    attach_stop: bool = typer.Option(False, "--attach-stop",
+                                     help="On a remote cluster: Ctrl-C stops the run (default: it detaches)."),
     dry_run: bool = opt.DRY_RUN,
     json_out: bool = opt.JSON,
 ) -> None:
@@ -175,20 +183,32 @@ def run_cmd(
         slices=discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host, tpu=tpu,
                                      queued_resource=queued_resource, zone=zone, project=project, num_slices=num_slices,
                                      dcn=dcn, force=force),
-        mesh=mesh, framework=framework, env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, address=address,
+        mesh=mesh, framework=framework, env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, address=address,
         distributed=not no_dist, log_dir=log_dir, workdir=workdir, schedule_timeout=schedule_timeout,
         max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout, max_restarts=max_restarts,
         max_preemptions=max_preemptions, preemption_wait=preemption_wait, preemption_grace=preemption_grace,
         keep_cluster=keep_cluster, idle_timeout=idle_timeout, compile_cache=compile_cache,
         no_compile_cache=no_compile_cache,
     )
-    raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run))
+    raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run, detach=detach, attach_stop=attach_stop))
 
 
-def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_run: bool) -> int:
-    """Shared by `run` and `exec`: plan, maybe print, launch, report. Returns the exit code."""
+def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_run: bool, detach: bool = False,
+                attach_stop: bool = False) -> int:
+    """Shared by `run` and `exec`: plan, maybe print, launch (here, or on the cluster's head), report."""
     show = parse_hosts(hosts)
     target = run.find_cluster(req)
+    remote = target.cluster is not None and not run.is_local(target.cluster)
+    on_slice = target.cluster is not None and (target.cluster.remote or {}).get("head") == "worker-0"
+    if on_slice and req.max_preemptions and target.cluster is not None:
+        out.warn(f"the Ray head runs on worker 0 of TPU '{target.cluster.remote['tpu']}': a preemption of that worker"
+                 " ends the run whatever --max-preemptions allows; `tpulaunch cluster up --tpu NAME --head local`"
+                 " puts the head off the slice")
+    if detach or (remote and not dry_run):
+        if target.cluster is None:
+            raise LaunchError("--detach runs the run on a cluster's head, and none was given",
+                              "bring one up (`tpulaunch cluster up ...`) and pass --address auto (or HOST:PORT)")
+        return _on_the_head(out, req, target, show, follow=not detach, attach_stop=attach_stop)
     conn = run.Connection(target, run.shipped_workdir(req))
     try:
         prep = run.prepare(req, target, conn.cluster_slices(req), conn.runtime_env)
@@ -196,21 +216,112 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     except BaseException:
         conn.close()
         raise
-    for note in (*prep.resolved.topology.notes, *prep.notes):
-        out.info(f"note: {note}")
+    _notes(out, prep)
     if dry_run:
         conn.close()
         print_plan(out, prep)
         return 0
+    sink = TerminalSink(out, show)
+    summary = run.launch(prep, sink, conn, quiet_ray=True, debug=debug_enabled())
+    report(out, summary, sink)
+    return summary.exit_code
+
+
+def _notes(out: Output, prep: run.Prepared) -> None:
     plan = prep.plan
+    for note in (*prep.resolved.topology.notes, *prep.notes):
+        out.info(f"note: {note}")
     if plan.emulated:
         out.warn(
             f"EMULATED slice: {plan.mesh.num_slices} x {plan.topology.accelerator_type} ({plan.topology.topology}),"
             f" {len(plan.hosts)} host process(es) on this machine with CPU devices; this is not a TPU run"
         )
-    if not req.command:
+    if not prep.request.command:
         out.info(f"framework: {plan.framework} ({prep.framework_reason})")
-    sink = TerminalSink(out, show)
+
+
+def _on_the_head(out: Output, req: run.LaunchRequest, target: run.Target, show: set[int] | None, *, follow: bool,
+                 attach_stop: bool) -> int:
+    """Submit the run to the cluster's head (checked here first as far as this machine can), then
+    return at once (--detach), or follow its output until it ends and exit with its code."""
+    from tpulaunch.run import detached
+
+    cluster = target.cluster
+    assert cluster is not None
+    runtime_env = run.shipped_workdir(req)
+    if run.is_local(cluster):  # the whole plan can be made here: every mistake is found before submitting
+        conn = run.Connection(target, None)  # planning ships nothing
+        try:
+            prep = run.prepare(req, target, conn.cluster_slices(req), runtime_env)
+            check_hosts(show, len(prep.plan.hosts))
+        finally:
+            conn.close()
+    else:
+        run.check_script(req)
+    api = detached.job_api(cluster)
+    t0 = time.monotonic()
+    run_id = detached.submit(req, cluster, api, runtime_env=runtime_env, python=run.head_python(cluster))
+    took = time.monotonic() - t0
+    if not follow:
+        if out.json_mode:
+            out.json({"schema": "tpulaunch.submitted/v1", "run_id": run_id, "address": cluster.address})
+        else:
+            out.line(run_id)
+            out.info(f"submitted run {run_id} to {cluster.address} in {took:.1f} s; follow it with"
+                     f" `tpulaunch logs {run_id} --follow`, `tpulaunch status {run_id}`, `tpulaunch wait {run_id}`")
+        return 0
+    out.info(f"run {run_id} runs on the cluster's head ({cluster.address}); Ctrl-C "
+             + ("stops it" if attach_stop else "leaves it running (`tpulaunch stop` ends it)"))
+    try:
+        for chunk in detached.follow_driver_log(api, run_id):
+            out.raw(chunk)
+    except KeyboardInterrupt:
+        if attach_stop:
+            out.info(f"stopping run {run_id}")
+            api.stop(run_id)
+            rec = detached.wait(api, run_id, 120)
+            return rec.exit_code if rec.exit_code is not None else 143
+        out.info(f"detached: run {run_id} goes on. `tpulaunch logs {run_id} --follow` follows it again,"
+                 f" `tpulaunch stop {run_id}` ends it")
+        return 130
+    rec = detached.wait(api, run_id, 60)
+    return rec.exit_code if rec.exit_code is not None else 1
+
+
+def supervise_request(out: Output, req: run.LaunchRequest) -> int:
+    """A detached run's supervisor, in a Ray job on the head: `run` itself, with its files under the
+    head's Ray log directory (served by Ray's log API) and `status.json` kept up to date."""
+    import dataclasses
+    from pathlib import Path
+
+    from tpulaunch.cluster.connect import logs_dir
+    from tpulaunch.run import detached
+
+    target = run.find_cluster(req)
+    if target.cluster is None:
+        raise LaunchError("internal: a supervisor was given no cluster", "report this bug")
+    # The job's runtime env already carries the working directory to every actor the supervisor
+    # starts (Ray would refuse a second one): the connection ships nothing itself.
+    conn = run.Connection(target, None)
+    conn.connect(target.cluster)
+    req = dataclasses.replace(req, log_dir=str(Path(logs_dir()) / detached.RUNS_SUBDIR))
+    try:
+        prep = run.prepare(req, target, conn.cluster_slices(req), None)
+    except BaseException:
+        conn.close()
+        raise
+    _notes(out, prep)
+    sink = detached.StatusFile(TerminalSink(out, None), Path(prep.plan.job.log_dir) / "status.json",
+                               req.script or " ".join(req.command))
     summary = run.launch(prep, sink, conn, quiet_ray=True, debug=debug_enabled())
-    report(out, summary, sink)
+    sink.finished(summary)
+    report(out, summary, sink.inner)
     return summary.exit_code
+
+
+@app.command("supervise", hidden=True)
+def supervise_cmd(request: str = typer.Argument(..., help="The run's request, as `run --detach` encoded it.")) -> None:
+    """The supervisor of a detached run (what `run --detach` submits as a Ray job on the head)."""
+    from tpulaunch.run import detached
+
+    raise typer.Exit(supervise_request(Output(), detached.decode_request(request)))

@@ -52,4 +52,6 @@ KEEP_CHILDREN = typer.Option(
     False, "--keep-children",
     help="Leave processes a host's script started (servers, daemons) running after it exits; by default they"
          " are stopped with it (and named).")
+NO_PREFLIGHT = typer.Option(False, "--no-preflight",
+                            help="Skip the checks of every host (versions, ports, chips, ids) before the scripts start.")
 DRY_RUN = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, env, mesh) and start nothing.")

@@ -62,6 +62,11 @@ class Output:
         """A plain result line on stdout."""
         self.out.print(text, overflow="ignore", crop=False)
 
+    def raw(self, text: str) -> None:
+        """Text as it came (another process's output, already formatted), on stdout, unchanged."""
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
     def info(self, text: str | Text) -> None:
         if not self.quiet:
             self.err.print(text, overflow="ignore", crop=False)

@@ -9,6 +9,7 @@ import contextlib
 import io
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -113,6 +114,14 @@ def probe(address: str, timeout: float) -> None:
         raise ClusterError(f"cannot reach Ray at {address}: {why}", _HINT) from None
 
 
+def token_refused(info: ClusterInfo) -> ClusterError:
+    """The one line for a cluster that refused our token (or our lack of one)."""
+    which = f"the token in {info.token_path}" if info.token_path else "no token (RAY_AUTH_TOKEN_PATH is not set)"
+    return ClusterError(f"the Ray cluster at {info.address} refused {which}: it is not this cluster's token",
+                        "use the token the cluster was started with (`eval \"$(tpulaunch cluster env)\"` on its"
+                        " machine shows where it is)")
+
+
 def connect(info: ClusterInfo, runtime_env: dict | None = None, timeout: float | None = None) -> None:
     """`ray.init` against the cluster, quietly and bounded in time (`TPULAUNCH_CONNECT_TIMEOUT`, 15 s).
 
@@ -143,17 +152,14 @@ def connect(info: ClusterInfo, runtime_env: dict | None = None, timeout: float |
             outcome["error"] = e
 
     t = threading.Thread(target=init, name="tpulaunch-ray-init", daemon=True)
-    with _RaysStderr() as said:
+    with RaysStderr() as said:
         t.start()
         while t.is_alive() and time.monotonic() < deadline and not said.rejected():
             t.join(0.2)
             said.pump()
     if said.rejected():
         _ABANDONED.append(t)
-        which = f"the token in {info.token_path}" if info.token_path else "no token (RAY_AUTH_TOKEN_PATH is not set)"
-        raise ClusterError(f"the Ray cluster at {info.address} refused {which}: it is not this cluster's token",
-                           "use the token the cluster was started with (`eval \"$(tpulaunch cluster env)\"` on its"
-                           " machine shows where it is)")
+        raise token_refused(info)
     if t.is_alive():
         _ABANDONED.append(t)
         raise ClusterError(f"Ray at {info.address} did not accept the connection within {timeout:g} s",
@@ -164,19 +170,19 @@ def connect(info: ClusterInfo, runtime_env: dict | None = None, timeout: float |
         raise ClusterError(f"cannot connect to Ray at {info.address}: {type(e).__name__}: {first}", _HINT) from e
 
 
-class _RaysStderr:
+class RaysStderr:
     """While Ray connects: what its C++ core writes to fd 2 passes through a pipe we read, so a
     refused token (`InvalidAuthToken`, which Ray retries for as long as it is let, a warning a
     second) ends the wait at once with a line that says so. What was read goes on to the real
-    fd 2, unless that is a terminal: then to `ray-driver.log` in the state dir (Ray's chatter never
-    reaches a terminal)."""
+    fd 2 if that is a file (a run's `ray.log`), else to `ray-driver.log` in the state dir: Ray's
+    chatter never reaches a terminal or a CI log, where tpulaunch says one line."""
 
     REFUSED = b"InvalidAuthToken"
 
-    def __enter__(self) -> "_RaysStderr":
+    def __enter__(self) -> "RaysStderr":
         sys.stderr.flush()
         self.saved = os.dup(2)
-        if os.isatty(self.saved):
+        if not stat.S_ISREG(os.fstat(self.saved).st_mode):
             from tpulaunch.cluster.record import state_dir
 
             self.sink = os.open(state_dir() / "ray-driver.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -211,6 +217,17 @@ class _RaysStderr:
         self.pump()
         for fd in (self.r, self.saved, self.sink):
             os.close(fd)
+
+
+def logs_dir() -> str:
+    """The Ray log directory of the session this process is connected to (on this node): where a
+    detached run's supervisor, on the head, keeps the run's files for Ray's log API to serve."""
+    import ray._private.worker as worker
+
+    node = worker._global_node  # noqa: SLF001 - Ray has no public accessor for the session's log dir
+    if node is None:
+        raise ClusterError("internal: not connected to Ray", "report this bug")
+    return node.get_logs_dir_path()
 
 
 _GONE: list[bool] = []  # the cluster's head is gone: no Ray call can return
@@ -258,8 +275,9 @@ def ray_output_to(path: Path, enabled: bool) -> Iterator[None]:
     log = open(path, "ab", buffering=0)
     os.dup2(log.fileno(), 2)
     old = sys.stderr
-    sys.stderr = io.TextIOWrapper(os.fdopen(os.dup(saved), "wb", buffering=0), write_through=True,
-                                  encoding=getattr(old, "encoding", None) or "utf-8", errors="replace")
+    if _fileno(old) == 2:  # Python's stderr was fd 2: it keeps the terminal through a copy
+        sys.stderr = io.TextIOWrapper(os.fdopen(os.dup(saved), "wb", buffering=0), write_through=True,
+                                      encoding=getattr(old, "encoding", None) or "utf-8", errors="replace")
     _RELAY["log"] = log
     _relay_to_file()  # now if Ray is imported, else when connect() imports it
     try:
@@ -277,6 +295,13 @@ def ray_output_to(path: Path, enabled: bool) -> Iterator[None]:
 
 
 _RELAY: dict = {}
+
+
+def _fileno(stream: object) -> int | None:
+    try:
+        return stream.fileno()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _relay_to_file() -> None:

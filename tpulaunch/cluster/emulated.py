@@ -145,6 +145,8 @@ def _base_env(info: ClusterInfo) -> dict[str, str]:
     env["RAY_prestart_worker_first_driver"] = "0"
     assert info.cluster_id
     env[ownership.ID_ENV] = info.cluster_id  # every process of the cluster carries it (how it is stopped)
+    # `python` in the cluster's processes (a detached run's job) is this one, the one with tpulaunch
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     return env
 
 
@@ -194,6 +196,8 @@ def start_emulated(
     ports = free_ports(9 * len(hosts))
     nodes = [node_spec(info, s, topology, w, ports[9 * i:9 * i + 9], head=i == 0, dashboard=dashboard)
              for i, (s, w) in enumerate(hosts)]
+    if dashboard:
+        info.dashboard = f"127.0.0.1:{ports[8]}"  # the head's dashboard: Ray's job and log APIs
 
     def head_up(address: str) -> None:
         info.address = address

@@ -31,12 +31,15 @@ import secrets
 import shlex
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from tpulaunch import gcloud
+from tpulaunch.gcloud import SSH_TIMEOUT
 from tpulaunch.cluster.ownership import ID_ENV, MARKER
 from tpulaunch.cluster.record import ClusterInfo, check_token_file, state_dir
 from tpulaunch.errors import ClusterError
@@ -50,7 +53,8 @@ WRITE_TOKEN = f'umask 077 && mkdir -p "$HOME"/.tpulaunch && cat > {REMOTE_TOKEN}
 AUTH_ENV = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={REMOTE_TOKEN} RAY_USAGE_STATS_ENABLED=0"
 MAX_PARALLEL_SSH = 16
 
-Progress = Callable[[int, str], None]  # (worker id, state text)
+Progress = Callable[[int, str], None]  # (worker id, or HEAD for a head off the slice; state text)
+HEAD = -1
 
 
 def cluster_key(project: str, zone: str, name: str) -> str:
@@ -107,7 +111,7 @@ try:
     socket.create_connection((host, int(port)), timeout=3).close()
 except OSError as e:
     out["error"] = str(e)
-    print("MARK" + json.dumps(out)); sys.exit(0)
+    print("@JSON_MARK@" + json.dumps(out)); sys.exit(0)
 out["head"] = True
 try:
     import ray
@@ -123,29 +127,52 @@ try:
     ray.shutdown()
 except Exception as e:
     out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-print("MARK" + json.dumps(out))
-""".replace("MARK", JSON_MARK)
+print("@JSON_MARK@" + json.dumps(out))
+""".replace("@JSON_MARK@", JSON_MARK)
 
 _STOP = r"""
-# tpulaunch-stop: end the processes of one cluster on this host (those started with its id), by pid
+# tpulaunch-stop: end the processes of one cluster on this host, by pid: those started with its id,
+# and (its temp dir marked for it) this user's processes holding files in that dir (Ray's agents
+# rename themselves, which hides their environment)
 import json, os, shutil, signal, sys, time
 d, cid = os.path.realpath(sys.argv[1]), sys.argv[2]
 entry = ("TPULAUNCH_CLUSTER_ID=" + cid).encode()
+try:
+    marked = json.load(open(os.path.join(d, "@MARKER_FILE@"))).get("cluster_id") == cid and not os.path.islink(d)
+except (OSError, ValueError, AttributeError):
+    marked = False
+inside = d.rstrip("/") + "/"
 def alive(pid):
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except Exception:
         return False
+def in_dir(e):
+    try:
+        if os.stat(f"/proc/{e}").st_uid != os.getuid():
+            return False
+        args = open(f"/proc/{e}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        if any(a == d or a.startswith(inside) for a in args):
+            return True
+        for fd in os.listdir(f"/proc/{e}/fd"):
+            try:
+                if os.readlink(f"/proc/{e}/fd/{fd}").startswith(inside):
+                    return True
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return False
 def members():
     out = []
     for e in os.listdir("/proc"):
-        if not e.isdigit() or int(e) == os.getpid():
+        if not e.isdigit() or int(e) == os.getpid() or not alive(e):
             continue
         try:
             env = open(f"/proc/{e}/environ", "rb").read().split(b"\0")
         except OSError:
-            continue
-        if entry in env and alive(e):
+            env = []
+        if entry in env or (marked and in_dir(e)):
             out.append(int(e))
     return out
 found = members()
@@ -159,14 +186,10 @@ for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
     while time.monotonic() < end and members():
         time.sleep(0.2)
 left = members()
-try:
-    marked = json.load(open(os.path.join(d, "MARKER"))).get("cluster_id") == cid and not os.path.islink(d)
-except (OSError, ValueError, AttributeError):
-    marked = False
 if not left and marked:
     shutil.rmtree(d, ignore_errors=True)
-print("MARK" + json.dumps({"stopped": len(found), "left": left, "removed": bool(not left and marked)}))
-""".replace("MARK", JSON_MARK).replace("MARKER", MARKER)
+print("@JSON_MARK@" + json.dumps({"stopped": len(found), "left": left, "removed": bool(not left and marked)}))
+""".replace("@JSON_MARK@", JSON_MARK).replace("@MARKER_FILE@", MARKER)
 
 
 def query_command(python: str, head_ip: str, port: int) -> str:
@@ -214,11 +237,34 @@ def ensure_token(key: str) -> tuple[Path, str, bool]:
 # -- a cluster on a slice, driven from anywhere gcloud works --------------------------------------
 
 
+def route_ip(peer: str) -> str:
+    """This machine's address on the route to `peer` (what a TPU worker reaches it at). No packet
+    is sent: a UDP socket's connect only picks the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+        except OSError:
+            raise ClusterError(f"this machine has no route to worker 0 ({peer})",
+                               "run `cluster up --head local` on a machine in the slice's network, or pass --head-ip") from None
+
+
+@dataclass(frozen=True)
+class LocalHead:
+    """The Ray head off the slice, on the machine that runs `cluster up --tpu NAME --head local`."""
+
+    ip: str  # the address the TPU workers (and clients) reach this machine at
+    temp_dir: str  # a /tmp/tpl-* dir of ours (marker with the cluster's id)
+    dashboard_port: int
+    python: str
+
+
 class RemoteSlice:
     """One TPU slice reached over gcloud ssh; `cluster up/status/down --tpu` in library form."""
 
     def __init__(self, spec: SliceSpec, *, port: int = DEFAULT_PORT, temp_dir: str | None = None,
-                 python: str = DEFAULT_PYTHON, dashboard: bool = False, cluster_id: str | None = None) -> None:
+                 python: str = DEFAULT_PYTHON, dashboard: bool = False, cluster_id: str | None = None,
+                 head: LocalHead | None = None) -> None:
         if not spec.workers:
             raise ClusterError(f"TPU '{spec.name}' lists no worker endpoints", "is it READY? `tpulaunch slice describe`")
         if not spec.zone or not spec.project:
@@ -230,16 +276,21 @@ class RemoteSlice:
         self.python = python
         self.dashboard = dashboard
         self.cluster_id = cluster_id  # known once the token is (up), or from the record (down)
+        self.head = head  # the head off the slice, on this machine (None: on worker 0)
 
     @classmethod
     def from_record(cls, info: ClusterInfo) -> "RemoteSlice":
         r = info.remote or {}
+        head = None
+        if r.get("head") == "local":
+            head = LocalHead(ip=r["head_ip"], temp_dir=info.temp_dir or "", dashboard_port=int(r["dashboard_port"]),
+                             python=r.get("head_python") or sys.executable)
         return cls(SliceSpec.from_dict(info.slices[0]), port=r["port"], temp_dir=r["temp_dir"], python=r["python"],
-                   cluster_id=info.cluster_id)
+                   cluster_id=info.cluster_id, head=head)
 
     @property
     def head_ip(self) -> str:
-        return self.spec.workers[0].ip
+        return self.head.ip if self.head else self.spec.workers[0].ip
 
     @property
     def address(self) -> str:
@@ -251,8 +302,15 @@ class RemoteSlice:
                                  command=command, stdin=stdin)
 
     def query(self) -> dict:
-        """Ask the head (over ssh to worker 0) which nodes it has: {"head": bool, "nodes": [...]}."""
-        proc = self.ssh(0, query_command(self.python, self.head_ip, self.port))
+        """Ask the head which nodes it has (over ssh to worker 0, or here when the head is local):
+        {"head": bool, "nodes": [...]}."""
+        if self.head is not None:
+            token = token_file(self.key)
+            env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0"}
+            proc = subprocess.run([self.head.python, "-c", _QUERY, self.address], env=env, capture_output=True,
+                                  text=True, timeout=120)
+        else:
+            proc = self.ssh(0, query_command(self.python, self.head_ip, self.port))
         doc = _marked_json(proc.stdout)
         if proc.returncode != 0 or doc is None:
             raise ClusterError(f"could not ask worker 0 of '{self.spec.name}' about Ray (exit {proc.returncode}): {_tail(proc)}",
@@ -272,6 +330,25 @@ class RemoteSlice:
                 except ValueError:
                     pass
         return ids
+
+    def _start_local_head(self, token_path: Path) -> None:
+        """The head off the slice: `ray start --head` here, with no TPU, its dashboard (the job API)
+        bound where clients and workers reach it, token auth, and the cluster's id and marker."""
+        head = self.head
+        assert head is not None and self.cluster_id
+        words = ray_start_words(python=head.python, node_ip=head.ip, temp_dir=head.temp_dir, port=self.port, head=True,
+                                dashboard=True)
+        words[words.index("--dashboard-host") + 1] = head.ip
+        words += ["--dashboard-port", str(head.dashboard_port), "--num-cpus", "1", "--resources", "{}"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "RAY_ADDRESS"))}
+        env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path), "RAY_USAGE_STATS_ENABLED": "0",
+                    ID_ENV: self.cluster_id,
+                    # `python` in the head's jobs (a detached run's supervisor) is the one with tpulaunch
+                    "PATH": os.pathsep.join([os.path.dirname(head.python), os.environ.get("PATH", "")])})
+        proc = subprocess.run(words, env=env, capture_output=True, text=True, timeout=SSH_TIMEOUT)
+        if proc.returncode != 0:
+            raise ClusterError(f"the Ray head did not start here (exit {proc.returncode}): {_tail(proc)}",
+                               f"Ray's logs are under {head.temp_dir}")
 
     def _start(self, worker: int, token: str, head: bool) -> None:
         words = ray_start_words(python=self.python, node_ip=self.spec.workers[worker].ip, temp_dir=self.temp_dir,
@@ -297,6 +374,11 @@ class RemoteSlice:
             alive = self.alive_workers(doc)
             for w in sorted(alive):
                 say(w, "already in the cluster")
+        elif self.head is not None:
+            say(HEAD, "starting here (off the slice)")
+            self._start_local_head(token_path)
+            say(HEAD, "up")
+            alive = set()
         else:
             say(0, "starting head")
             self._start(0, token, head=True)
@@ -321,10 +403,15 @@ class RemoteSlice:
         if errors:
             raise ClusterError("; ".join(f"worker {w}: {m}" for w, m in sorted(errors.items())),
                                "fix that and run `tpulaunch cluster up` again (hosts already up are left alone)")
-        return ClusterInfo(address=self.address, temp_dir=None, token_path=str(token_path), emulated=False,
-                           slices=[self.spec.to_dict()], cluster_id=self.cluster_id,
-                           remote={"tpu": self.spec.name, "zone": self.spec.zone, "project": self.spec.project,
-                                   "port": self.port, "temp_dir": self.temp_dir, "python": self.python})
+        remote = {"tpu": self.spec.name, "zone": self.spec.zone, "project": self.spec.project, "port": self.port,
+                  "temp_dir": self.temp_dir, "python": self.python, "head": "worker-0"}
+        if self.head is not None:
+            remote.update(head="local", head_ip=self.head.ip, dashboard_port=self.head.dashboard_port,
+                          head_python=self.head.python)
+        return ClusterInfo(address=self.address, temp_dir=self.head.temp_dir if self.head else None,
+                           token_path=str(token_path), emulated=False, slices=[self.spec.to_dict()],
+                           cluster_id=self.cluster_id, remote=remote,
+                           dashboard=f"{self.head.ip}:{self.head.dashboard_port}" if self.head else None)
 
     def down(self, progress: Progress | None = None) -> dict[int, dict]:
         """End this cluster's Ray processes on every worker, in parallel: {worker: {"stopped", "left"}}."""
@@ -349,6 +436,10 @@ class RemoteSlice:
         n = len(self.spec.workers)
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SSH, n)) as pool:
             list(pool.map(stop, range(n)))
+        if self.head is not None:  # the head here: stopped as an emulated cluster is, by its id and marker
+            from tpulaunch.cluster.emulated import stop_owned
+
+            results[-1] = {"stopped": stop_owned(self.cluster_id, self.head.temp_dir), "left": []}
         return results
 
 

@@ -44,7 +44,7 @@ from typing import Callable
 from tpulaunch import procfs
 from tpulaunch.errors import ExitCode
 from tpulaunch.host.context import HEARTBEAT_ENV
-from tpulaunch.host.protocol import AgentInfo, HostOptions, PollReply, Started
+from tpulaunch.host.protocol import AgentInfo, HostOptions, PollReply, PreflightReport, PreflightRequest, Started
 from tpulaunch.plan.env import split_env
 from tpulaunch.plan.launch import HostState, run_marker
 
@@ -64,24 +64,68 @@ _PR_SET_CHILD_SUBREAPER = 36
 NAMESPACE = "tpulaunch"
 
 
-def agent_name(slice_name: str, worker_id: int) -> str:
-    return f"tpulaunch-agent-{slice_name}-{worker_id}"
+def agent_name(slice_name: str, worker_id: int, code: str = "") -> str:
+    return f"tpulaunch-agent-{slice_name}-{worker_id}" + (f"-{code}" if code else "")
+
+
+def code_key() -> str:
+    """Which copy of the user's code this driver's actors run in: the content hash Ray gives the
+    working directory it ships ("" when nothing is shipped: emulated hosts run in place).
+
+    A detached actor keeps the working directory of the job that started it, so an agent found
+    again by a later run with other code would start the script in the old copy. Keyed by it, a
+    run with the same code finds its warm agent, and one with other code starts a new one."""
+    import re
+
+    import ray
+
+    uri = str((ray.get_runtime_context().runtime_env or {}).get("working_dir") or "")
+    m = re.search(r"_ray_pkg_([0-9a-f]+)", uri)
+    return m.group(1)[:16] if m else ""
+
+
+def _is_code_key(text: str) -> bool:
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
 def agent_for(slice_name: str, worker_id: int) -> object:
-    """The agent of TPU worker `worker_id` of `slice_name`: found, or started on that host's node."""
+    """The agent of TPU worker `worker_id` of `slice_name` for this driver's code: found, or
+    started on that host's node."""
     import ray
 
     from tpulaunch.discover.ray_labels import SLICE, WORKER
 
     return ray.remote(HostAgent).options(
-        name=agent_name(slice_name, worker_id), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_concurrency=8, max_restarts=0, label_selector={SLICE: slice_name, WORKER: str(worker_id)},
+        name=agent_name(slice_name, worker_id, code_key()), namespace=NAMESPACE, get_if_exists=True,
+        lifetime="detached", num_cpus=0, max_concurrency=8, max_restarts=0,
+        label_selector={SLICE: slice_name, WORKER: str(worker_id)},
         # Ray starts its workers at nice 15, and the host process would inherit it: every other
         # process on the host would preempt the training loop (steps 1.4x slower on 2 cores).
         # Ray Jobs' driver supervisor gets nice 0 the same way.
         runtime_env={"env_vars": {NICENESS_ENV: "0"}},
     ).remote(slice_name, worker_id)
+
+
+def retire_other_agents(hosts: list[tuple[str, int]]) -> int:
+    """Ask the agents of these hosts that serve other code (an earlier run's) to exit if idle:
+    their spares hold memory, and only the current code's agent is used again. Returns how many
+    were asked (fire and forget)."""
+    import ray
+
+    mine = {agent_name(s, w, code_key()) for s, w in hosts}
+    prefixes = tuple(agent_name(s, w) for s, w in hosts)
+    asked = 0
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        name = a["name"]
+        if a["namespace"] != NAMESPACE or name in mine:
+            continue
+        if any(name == p or _is_code_key(name[len(p) + 1:]) and name.startswith(p + "-") for p in prefixes):
+            try:
+                ray.get_actor(name, namespace=NAMESPACE).retire.remote()
+                asked += 1
+            except ValueError:  # gone meanwhile
+                pass
+    return asked
 
 
 def _child_setup() -> None:
@@ -367,6 +411,57 @@ class HostAgent:
                 watch(options.metadata_host, self.preempt, stop=lambda: host.done())
             return Started(self._host.proc.pid, spare is not None, why)
 
+    def preflight(self, state: HostState, options: HostOptions, request: PreflightRequest) -> PreflightReport:
+        """Check this host before its script may start: what its process would see (run in its own
+        environment and working directory), who this node says it is, whether its TPU is free."""
+        import ray
+
+        from tpulaunch.host import tpu_holders
+
+        static, per_run = split_env(state)
+        env = {**host_env(), **static, **per_run}
+        doc = {"script": state.job.script or None, "cache_dir": state.job.compile_cache, "log_dir": state.job.log_dir,
+               "connect": [list(c) for c in request.connect], "bind": [list(b) for b in request.bind],
+               "timeout_s": request.timeout_s}
+        probe, error = {}, None
+        try:
+            cwd = options.cwd or os.getcwd()
+        except FileNotFoundError:
+            cwd, error = None, "its working directory (this host's copy of the run's code) was deleted"
+        if cwd is not None:
+            try:
+                proc = subprocess.run([sys.executable, "-m", "tpulaunch.host.probe", json.dumps(doc)], env=env,
+                                      cwd=cwd, capture_output=True, text=True,
+                                      timeout=30 + request.timeout_s * max(1, len(request.connect)))
+                if proc.returncode == 0:
+                    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+                else:
+                    error = f"the probe exited {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}"
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as e:
+                error = f"the probe failed: {type(e).__name__}: {e}"
+        rc = ray.get_runtime_context()
+        labels = {k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(rc.get_node_labels()).items()}
+        holders: tuple[str, ...] = ()
+        report = tpu_holders.scan()
+        if not report.clean:
+            holders = tuple(f"pid {h.pid} ({h.cmdline[:60]})" for h in report.holders) or (f"stale {report.lockfile}",)
+        return PreflightReport(
+            process_index=state.process_index, probe=probe, node_worker_id=os.environ.get("TPU_WORKER_ID"),
+            label_worker_id=labels.get("ray.io/tpu-worker-id"), label_slice=labels.get("ray.io/tpu-slice-name"),
+            metadata_worker_id=self._metadata_worker_id(options) if not state.emulated else None,
+            tpu_holders=holders, error=error)
+
+    @staticmethod
+    def _metadata_worker_id(options: HostOptions) -> str | None:
+        """agent-worker-number from this VM's metadata server (a TPU VM), quickly or not at all."""
+        from tpulaunch.discover.metadata import MetadataClient
+        from tpulaunch.errors import MetadataError
+
+        try:
+            return MetadataClient(host=options.metadata_host, timeout=1.0).get("instance/attributes/agent-worker-number")
+        except (MetadataError, OSError):
+            return None
+
     def _take_spare(self, state: HostState) -> tuple[HostProcess | None, str]:
         framework = state.framework
         entry = self._spares.pop(framework, None)
@@ -445,6 +540,19 @@ class HostAgent:
             self._run_id = None
         if prewarm is not None and not prewarm.job.command:
             self.prewarm(prewarm)
+
+    def retire(self) -> bool:
+        """Exit (with the spares) unless a host process runs: a newer run's code has its own agent."""
+        import ray
+
+        with self._lock:
+            if self._host is not None and self._host.alive:
+                return False
+            for _env, spare in self._spares.values():
+                spare.terminate(0.5)
+            self._spares.clear()
+        ray.actor.exit_actor()
+        return True
 
     def prewarm(self, state: HostState) -> bool:
         """Start a spare with `state`'s framework imported and the environment runs like it share."""

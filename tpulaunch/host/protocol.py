@@ -55,3 +55,29 @@ class AgentInfo:
     labels: dict
     pid: int
     spares: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PreflightRequest:
+    """What an agent checks before its host's script may start (`run.preflight` builds it)."""
+
+    connect: tuple[tuple[str, int, str], ...] = ()  # (host, port, what): ports the run will use on other hosts
+    bind: tuple[tuple[int, str], ...] = ()  # (port, what): ports this host will listen on (process 0)
+    cache_dir: str | None = None
+    log_dir: str | None = None
+    timeout_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """One host's answers. `probe` is what `python -m tpulaunch.host.probe` saw in the run's own
+    environment; the rest is the agent's (its node's identity, the TPU)."""
+
+    process_index: int
+    probe: dict  # versions, script/workdir digests, connect/bind results, disk and memory
+    node_worker_id: str | None  # TPU_WORKER_ID in the node's own environment (GKE, emulation)
+    label_worker_id: str | None  # ray.io/tpu-worker-id of the node the agent runs on
+    label_slice: str | None
+    metadata_worker_id: str | None = None  # agent-worker-number from the GCE metadata server (TPU VMs)
+    tpu_holders: tuple[str, ...] = ()  # processes holding the TPU or the libtpu lockfile
+    error: str | None = None  # the probe could not run

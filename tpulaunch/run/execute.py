@@ -21,24 +21,32 @@ from typing import Protocol
 from tpulaunch.discover.ray_labels import SLICE as LABEL_SLICE
 from tpulaunch.discover.ray_labels import WORKER as LABEL_WORKER
 from tpulaunch.errors import ClusterError
-from tpulaunch.host.agent import agent_for
+from tpulaunch.host.agent import agent_for, retire_other_agents
 from tpulaunch.host.protocol import AgentInfo, HostOptions
 from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.run import watch as W
 from tpulaunch.run.fleet import Fleet, RayFleet, Reply, reachable
 from tpulaunch.run.paths import RunPaths
+from tpulaunch.run.status import RunState, RunView
 from tpulaunch.run.summary import Attempt, HostResult
 
 HEAD_PROBE_EVERY_S = 2.0
+STATUS_EVERY_S = 2.0  # how often the sink hears where every host is
 STOP_DRAIN_S = 15.0  # after stopping every host: how long to wait for their last words, beyond the grace
 
 
-class Sink(Protocol):
-    """Where host output and progress go (the CLI renders; tests collect)."""
+class Sink:
+    """Where host output, progress and the run's status go (the CLI renders; a detached run's
+    supervisor also writes the status to `status.json`; tests collect)."""
 
-    def host_line(self, process: int, stream: str, text: str) -> None: ...
+    def host_line(self, process: int, stream: str, text: str) -> None:
+        raise NotImplementedError
 
-    def progress(self, message: str) -> None: ...
+    def progress(self, message: str) -> None:
+        raise NotImplementedError
+
+    def status(self, view: RunView) -> None:
+        """Where the run is: every few seconds during an attempt, and at each change of phase."""
 
 
 class Interrupts(Protocol):
@@ -58,6 +66,7 @@ class Limits:
     watch_preemption: bool = False  # ask the metadata server for preemption notices
     keep_warm: bool = False  # the cluster outlives the run: leave a spare process on every host
     keep_children: bool = False  # leave what a host's script started running after it exits
+    preflight: bool = True  # check every host (versions, ports, chips, ids) before any script starts
     debug: bool = False  # say more (why a host did not get a spare)
 
 
@@ -131,6 +140,7 @@ def place_agents(plan: LaunchPlan, timeout_s: float, interrupts: Interrupts) -> 
         if got != (h.slice_name, str(h.worker_id)):
             raise ClusterError(f"host agent {h.process_index} landed on {got}, not ({h.slice_name}, {h.worker_id})",
                                "the cluster's TPU labels are inconsistent; restart it")
+    retire_other_agents([(h.slice_name, h.worker_id) for h in plan.hosts])
     return agents, infos
 
 
@@ -175,7 +185,10 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
                 for r, info in zip(hosts, infos):
                     r.node_ip = info.node_ip
                 fleet = RayFleet(agents, raylets)
-                started = fleet.start(plan.states(), host_options(plan, limits), limits.schedule_timeout_s)
+                options = host_options(plan, limits)
+                if limits.preflight and not _preflight(plan, fleet, options, watch, sink, timings, limits):
+                    return watch.result(str(paths.attempt(plan.attempt)), time.time() - t0, timings)
+                started = fleet.start(plan.states(), options, limits.schedule_timeout_s)
                 timings["agents_s"] = time.time() - t0
                 warm = sum(1 for s in started if s.prewarmed)
                 timings["prewarmed_hosts"] = warm
@@ -210,6 +223,24 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
     return watch.result(str(paths.attempt(plan.attempt)), time.time() - t0, timings)
 
 
+def _preflight(plan: LaunchPlan, fleet: Fleet, options: HostOptions, watch: W.AttemptWatch, sink: Sink,
+               timings: dict, limits: Limits) -> bool:
+    """Check every host before any script starts; False (and the attempt ends) on an error."""
+    from tpulaunch.run import preflight
+
+    t = time.time()
+    reports = fleet.preflight(plan.states(), options, preflight.requests(plan), limits.schedule_timeout_s)
+    found = preflight.findings(plan, reports)
+    timings["preflight_s"] = time.time() - t
+    watch.findings = [f.to_dict() for f in found]
+    for f in found:
+        sink.progress(("preflight: " if f.error else "preflight warning: ") + f.line())
+    if any(f.error for f in found):
+        watch.preflight_failed(watch.findings)
+        return False
+    return True
+
+
 def _raylets(infos: list[AgentInfo]) -> list[str]:
     import ray
 
@@ -223,6 +254,7 @@ def supervise(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink,
     t0 = time.time()
     stop_deadline: float | None = None  # once every host was told to stop: how long we wait for them
     next_probe = 0.0
+    next_status = 0.0
     head = next((h.process_index for h in plan.hosts if h.slice_index == 0 and h.worker_id == 0), 0)
     while watch.pending:
         now = time.monotonic()
@@ -241,6 +273,9 @@ def supervise(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink,
                 action = watch.on_gone(event.host, event.cause, event.why)
             if action is not None and stop_deadline is None:
                 stop_deadline = _carry_out(action, plan, fleet, watch, sink, logs, limits)
+        if time.monotonic() >= next_status:
+            next_status = time.monotonic() + STATUS_EVERY_S
+            sink.status(RunView(plan.run_id, RunState.RUNNING, plan.attempt, watch.view()))
         if probe_head is not None and stop_deadline is None and time.monotonic() >= next_probe:
             next_probe = time.monotonic() + HEAD_PROBE_EVERY_S
             action = watch.on_head_probe(probe_head(), head)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
-from tpulaunch.host.protocol import HostOptions, PollReply, Started
+from tpulaunch.host.protocol import HostOptions, PollReply, PreflightReport, PreflightRequest, Started
 from tpulaunch.plan.launch import HostState
 from tpulaunch.run.summary import Cause
 
@@ -46,6 +46,10 @@ Event = Reply | Gone
 class Fleet(Protocol):
     def start(self, states: list[HostState], options: HostOptions, timeout_s: float) -> list[Started]:
         """Hand every host its state; returns when all answered (or raises on the timeout)."""
+
+    def preflight(self, states: list[HostState], options: HostOptions, requests: list[PreflightRequest],
+                  timeout_s: float) -> list[PreflightReport]:
+        """Every host checked at once, before any script starts (`run.preflight`)."""
 
     def events(self, timeout_s: float) -> list[Event]:
         """What the hosts said since the last call, waiting up to `timeout_s` for the first word."""
@@ -83,6 +87,13 @@ class RayFleet:
             self._unanswered_since[i] = now
             self._arm(i)
         return started
+
+    def preflight(self, states: list[HostState], options: HostOptions, requests: list[PreflightRequest],
+                  timeout_s: float) -> list[PreflightReport]:
+        import ray
+
+        refs = [a.preflight.remote(s, options, r) for a, s, r in zip(self.agents, states, requests)]
+        return ray.get(refs, timeout=timeout_s)
 
     def _arm(self, i: int) -> None:
         if i in self._in_flight or i in self._done:

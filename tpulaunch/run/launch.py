@@ -28,6 +28,7 @@ from tpulaunch.run import policy
 from tpulaunch.run.execute import Limits, Sink, execute
 from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.prepare import LaunchRequest, Prepared, Target, recorded_slices
+from tpulaunch.run.status import RunState, RunView
 from tpulaunch.run.summary import Attempt, Outcome, RunSummary, exit_code_for
 
 
@@ -113,7 +114,7 @@ def launch(prep: Prepared, sink: Sink, connection: Connection | None = None, *, 
         schedule_timeout_s=req.schedule_timeout, preemption_grace_s=req.preemption_grace,
         deadline=t0 + req.timeout if req.timeout else None, stall_timeout_s=req.stall_timeout,
         kill_stale=req.kill_stale, debug=debug, keep_warm=prep.cluster is not None or req.keep_cluster,
-        keep_children=req.keep_children,
+        keep_children=req.keep_children, preflight=req.preflight,
         watch_preemption=not plan.emulated or "TPULAUNCH_METADATA_HOST" in plan.job.user_env,
     )
     attempts: list[Attempt] = []
@@ -157,7 +158,7 @@ def launch(prep: Prepared, sink: Sink, connection: Connection | None = None, *, 
             if owned is not None and not (req.keep_cluster and interrupted is None and _keep(owned, req, sink)):
                 sink.progress("stopping the emulated Ray cluster")
                 emulated.stop_cluster(owned)
-            if plan.emulated:
+            if plan.emulated and not req.keep_children:
                 stop_run_processes(plan.run_id)  # a host Ray could no longer reach (its node lost)
     summary = _summary(plan, attempts, spent, note, interrupted, time.monotonic() - t0, phases)
     paths.summary.write_text(json.dumps(summary.to_dict(), indent=2))
@@ -209,6 +210,8 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
         who = f"host {first.process_index} {first.reason}" if first else "the attempt"
         if decision.action is policy.Action.FINISH:
             return spent, decision.why
+        sink.status(RunView(plan.run_id, RunState.RESTARTING, a.index, tuple(), attempts_brief(attempts),
+                            note=f"attempt {a.index}: {a.outcome}: {who}"))
         spent = decision.spent
         if decision.action is policy.Action.WAIT_FOR_SLICE:
             sink.progress(f"{who}: waiting up to {req.preemption_wait:g} s for the slice to be whole again"
@@ -220,6 +223,15 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
         if sigs.received is not None:
             return spent, None
         current = plan.for_attempt(current.attempt + 1, _fresh_endpoints(plan))
+
+
+def attempts_brief(attempts: list[Attempt]) -> tuple[dict, ...]:
+    """Each attempt in a line's worth of data (status shows the history)."""
+    out = []
+    for a in attempts:
+        out.append({"index": a.index, "outcome": str(a.outcome), "exit_code": a.exit_code, "who": a.who,
+                    "log_dir": a.log_dir})
+    return tuple(out)
 
 
 def _fresh_endpoints(plan: LaunchPlan):  # noqa: ANN202 - Endpoints

@@ -54,6 +54,8 @@ def decide(attempt: Attempt, budgets: Budgets, spent: Spent) -> Decision:
     outcome, first = attempt.outcome, attempt.first_failure
     if outcome in (Outcome.OK, Outcome.INTERRUPTED, Outcome.TIMEOUT, Outcome.STALLED):
         return Decision(Action.FINISH, spent)
+    if outcome is Outcome.PREFLIGHT:
+        return Decision(Action.FINISH, spent, "the preflight checks failed: no script was started")
     if outcome in (Outcome.LOST, Outcome.PREEMPTED):
         if spent.preemptions >= budgets.max_preemptions:
             return Decision(Action.FINISH, spent, _spent("--max-preemptions", budgets.max_preemptions))

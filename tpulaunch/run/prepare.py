@@ -48,6 +48,7 @@ class LaunchRequest:
     ship_workdir: bool = True
     kill_stale: bool = False
     keep_children: bool = False  # leave what a host's script started running after it exits
+    preflight: bool = True  # check every host before any script starts (`run.preflight`)
     run_id: str | None = None
     # faults (see tpulaunch.run.policy)
     timeout: float | None = None  # wall clock for the whole run
@@ -96,6 +97,32 @@ def find_cluster(req: LaunchRequest) -> Target:
     return Target(cluster)
 
 
+def is_local(cluster: ClusterInfo) -> bool:
+    """The cluster's head runs on this machine and was started from it (emulated, or `cluster up
+    --head local` recorded here): a run supervised here lives as long as the head does. Any other
+    cluster is remote: runs go to its head as jobs (`run.detached`)."""
+    return cluster.emulated or bool(cluster.temp_dir)
+
+
+def head_python(cluster: ClusterInfo) -> str | None:
+    """The Python with tpulaunch on the cluster's head, where the record knows it."""
+    return (cluster.remote or {}).get("head_python")
+
+
+def check_script(req: LaunchRequest) -> str:
+    """The script's path inside the working directory (checked: it exists, it is inside)."""
+    workdir = checked_workdir(req)
+    path = Path(req.script)
+    full = path if path.is_absolute() else (Path.cwd() / path)
+    if not full.is_file():
+        raise LaunchError(f"script {req.script} not found", "give the path of a Python file to run on every host")
+    try:
+        return str(full.resolve().relative_to(workdir))
+    except ValueError:
+        raise LaunchError(f"script {req.script} is outside the working directory {workdir}",
+                          "run from the directory that holds it, or pass --workdir") from None
+
+
 def _framework(req: LaunchRequest, workdir: Path) -> tuple[str, str]:
     if req.command:
         return "torch_xla", "exec runs a command, no framework boot"
@@ -136,17 +163,7 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
     """
     validate(req)
     workdir = checked_workdir(req)
-    script = req.script
-    if not req.command:
-        path = Path(script)
-        full = path if path.is_absolute() else (Path.cwd() / path)
-        if not full.is_file():
-            raise LaunchError(f"script {script} not found", "give the path of a Python file to run on every host")
-        try:
-            script = str(full.resolve().relative_to(workdir))
-        except ValueError:
-            raise LaunchError(f"script {script} is outside the working directory {workdir}",
-                              "run from the directory that holds it, or pass --workdir") from None
+    script = req.script if req.command else check_script(req)
     cluster = target.cluster
     resolved = discover.resolve(req.slices, seen)
     emulated = resolved.emulated or (cluster is not None and cluster.emulated)

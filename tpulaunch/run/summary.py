@@ -30,6 +30,7 @@ class Outcome(str, Enum):
     TIMEOUT = "timeout"  # --timeout
     STALLED = "stalled"  # --stall-timeout
     INTERRUPTED = "interrupted"  # SIGINT / SIGTERM to tpulaunch
+    PREFLIGHT = "preflight"  # the checks before any script found what would make the run hang or fail
 
     def __str__(self) -> str:
         return self.value
@@ -105,6 +106,13 @@ class Attempt:
     wall_s: float = 0.0
     timings: dict = field(default_factory=dict)
     signal: str | None = None  # SIGINT / SIGTERM when interrupted
+    findings: list[dict] = field(default_factory=list)  # preflight: errors and warnings, by host
+
+    @property
+    def who(self) -> str | None:
+        """What ended it, in a few words: the first host to fail, or the attempt's note."""
+        f = self.first_failure
+        return f"host {f.process_index} {f.reason}" if f is not None else self.note
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,4 +172,5 @@ def exit_code_for(outcome: Outcome, first: HostResult | None, signum: int | None
         Outcome.PREEMPTED: ExitCode.HOST_LOST,
         Outcome.TIMEOUT: ExitCode.TIMEOUT,
         Outcome.STALLED: ExitCode.TIMEOUT,
+        Outcome.PREFLIGHT: ExitCode.PREFLIGHT,
     }[outcome]

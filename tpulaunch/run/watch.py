@@ -18,6 +18,7 @@ import signal
 from dataclasses import dataclass
 
 from tpulaunch.host.protocol import PollReply
+from tpulaunch.run.status import HostPhase, HostView
 from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome, exit_code_for, exit_reason, first_failure, outcome_of
 
 HEAD_LOST_AFTER = 3  # consecutive refused probes of the Ray head (GCS)
@@ -70,6 +71,9 @@ class AttemptWatch:
         self.signal: int | None = None
         self.failed_fast = False
         self.head_refusals = 0
+        self.last_line: dict[int, str] = {}
+        self.findings: list[dict] = []  # preflight's, errors and warnings
+        self.last_activity: dict[int, float] = {}  # the host's own clock: its last line or heartbeat
 
     # -- facts ---------------------------------------------------------------------------------
 
@@ -84,6 +88,9 @@ class AttemptWatch:
         if reply.lines or reply.activity > self.beat[i]:
             self.activity[i] = now
         self.beat[i] = reply.activity
+        self.last_activity[i] = reply.activity
+        if reply.lines:
+            self.last_line[i] = reply.lines[-1][1]
         r.wall_s = reply.wall_s
         action: Action = None
         if reply.preempted and not r.preempted:
@@ -169,6 +176,34 @@ class AttemptWatch:
             return None
         return StopOthers(f"{what}: stopping the other hosts", self._stop(others), grace_s)
 
+    def preflight_failed(self, findings: list[dict]) -> None:
+        """The checks before the scripts found errors: no host starts."""
+        self.outcome, self.findings = Outcome.PREFLIGHT, findings
+        errors = [f for f in findings if f["severity"] == "error"]
+        if errors:
+            fix = f" {errors[0]['fix']}" if errors[0]["fix"] else ""
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            self.note = f"preflight: {errors[0]['what']}.{fix}{more}"
+        for r in self.hosts:
+            r.reason, r.cause = "not started (preflight)", Cause.NOT_STARTED
+        self.pending.clear()
+
+    def view(self) -> tuple[HostView, ...]:
+        """Each host as `tpulaunch status` shows it, now."""
+        out = []
+        for i, r in enumerate(self.hosts):
+            if i in self.pending:
+                phase = HostPhase.RUNNING if i in self.last_activity else HostPhase.STARTING
+            elif r.lost:
+                phase = HostPhase.LOST
+            elif r.stopped_by_tpulaunch and r.exit_code not in (None, 0):
+                phase = HostPhase.STOPPED
+            else:
+                phase = HostPhase.EXITED
+            out.append(HostView(r.process_index, r.slice_index, r.worker_id, phase, r.exit_code,
+                                self.last_activity.get(i), self.last_line.get(i, ""), r.reason))
+        return tuple(out)
+
     def result(self, log_dir: str, wall_s: float, timings: dict) -> Attempt:
         first = first_failure(self.hosts)
         outcome = self.outcome or outcome_of(first)
@@ -179,6 +214,7 @@ class AttemptWatch:
             index=self.attempt, outcome=outcome, exit_code=exit_code_for(outcome, first, signum), hosts=self.hosts,
             log_dir=log_dir, first_failure=first, note=self.note, wall_s=wall_s, timings=timings,
             signal=signal.Signals(signum).name if outcome is Outcome.INTERRUPTED and signum else None,
+            findings=list(self.findings),
         )
 
 

@@ -1,0 +1,206 @@
+"""Ray's job API and log API on the cluster's head (the dashboard, HTTP): submit, list, stop, read.
+
+The one module that talks to Ray's dashboard. Every request carries the cluster's token explicitly
+(`Authorization: Bearer <token>`): Ray's client adds it only when `RAY_AUTH_MODE` was set before
+`import ray`, which a launcher cannot promise. A refused token, an unreachable head and an
+unknown run are each one line (`ClusterError`, exit 5), never a traceback.
+
+* Jobs: `submit` (the submission id is the run id: a second submission of the same id is refused
+  by Ray, so a client killed mid-submit leaves a run or none), `info`, `list`, `stop`, `driver_log`.
+* Files the supervisor writes under the head's Ray log directory (`tpulaunch/runs/<run id>/...`):
+  `read_file` through the log API, which serves exactly that directory.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Iterator
+
+from tpulaunch.errors import ClusterError
+
+TIMEOUT_S = 15.0
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What the job API knows of one submission."""
+
+    submission_id: str
+    status: str  # PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED
+    entrypoint: str
+    message: str
+    start_time: float | None  # seconds (the API gives ms)
+    end_time: float | None
+    metadata: dict
+    driver_exit_code: int | None
+    driver_node_id: str | None
+    error_type: str | None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+def _info(d: dict) -> JobInfo:
+    def seconds(ms: object) -> float | None:
+        return float(ms) / 1000.0 if isinstance(ms, (int, float)) and ms else None
+
+    return JobInfo(
+        submission_id=d.get("submission_id") or d.get("job_id") or "", status=str(d.get("status") or ""),
+        entrypoint=d.get("entrypoint") or "", message=d.get("message") or "", start_time=seconds(d.get("start_time")),
+        end_time=seconds(d.get("end_time")), metadata=dict(d.get("metadata") or {}),
+        driver_exit_code=d.get("driver_exit_code"), driver_node_id=d.get("driver_node_id"),
+        error_type=d.get("error_type"),
+    )
+
+
+class JobApi:
+    """The job and log APIs of one cluster's dashboard (`http://host:port`), with its token."""
+
+    def __init__(self, url: str, token: str | None) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+
+    def _request(self, method: str, path: str, body: dict | None = None, timeout: float = TIMEOUT_S,
+                 stream: bool = False):  # noqa: ANN201 - bytes, or the open response when streaming
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        try:
+            resp = urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 - the cluster's own dashboard
+        except urllib.error.HTTPError as e:
+            text = e.read().decode(errors="replace").strip()
+            if e.code in (401, 403):
+                which = "no token" if not self.token else "the token"
+                raise ClusterError(f"the Ray cluster at {self.url} refused {which} ({e.code})",
+                                   "use the cluster's token (`eval \"$(tpulaunch cluster env)\"` where it was started)"
+                                   ) from None
+            raise _HttpError(e.code, text) from None
+        except (urllib.error.URLError, OSError) as e:
+            why = getattr(e, "reason", e)
+            raise ClusterError(f"cannot reach the Ray dashboard (job API) at {self.url}: {why}",
+                               "is the cluster up, with its dashboard? (`tpulaunch cluster status`)") from None
+        if stream:
+            return resp
+        with resp:
+            return resp.read()
+
+    def version(self) -> dict:
+        return json.loads(self._request("GET", "/api/version"))
+
+    def submit(self, *, entrypoint: str, submission_id: str, runtime_env: dict | None, metadata: dict[str, str],
+               label_selector: dict[str, str] | None = None) -> str:
+        runtime_env = self._upload_working_dir(runtime_env or {})
+        body: dict = {"entrypoint": entrypoint, "submission_id": submission_id, "runtime_env": runtime_env,
+                      "metadata": metadata}
+        if label_selector:
+            body["entrypoint_label_selector"] = label_selector
+        try:
+            doc = json.loads(self._request("POST", "/api/jobs/", body))
+        except _HttpError as e:
+            if "already exists" in e.text:
+                raise ClusterError(f"a run with id {submission_id} was already submitted to this cluster",
+                                   "see it with `tpulaunch status " + submission_id + "`") from None
+            raise ClusterError(f"the job API refused the run ({e.code}): {_first_line(e.text)}",
+                               "see the head's dashboard log") from None
+        return str(doc.get("submission_id") or submission_id)
+
+    def _upload_working_dir(self, runtime_env: dict) -> dict:
+        """A local `working_dir` goes up to the cluster as a package (Ray's own client does the zip and
+        the upload: the job then runs in the unpacked copy on the head)."""
+        wd = runtime_env.get("working_dir")
+        if not wd or "://" in str(wd):
+            return runtime_env
+        import os
+
+        import logging
+
+        saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS") if k in os.environ}
+        logging.disable(logging.INFO)  # Ray's client logs every step of the upload at INFO
+        try:  # (those variables would override the address the client is given)
+            from ray.job_submission import JobSubmissionClient
+
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+            client = JobSubmissionClient(self.url, headers=headers)
+            env = dict(runtime_env)
+            client._upload_working_dir_if_needed(env)  # noqa: SLF001 - the upload ray job submit does
+            return env
+        except ClusterError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Ray raises many types here
+            raise ClusterError(f"could not upload the working directory to {self.url}: {type(e).__name__}:"
+                               f" {_first_line(str(e))}", "check the address and the token") from None
+        finally:
+            os.environ.update(saved)
+            logging.disable(logging.NOTSET)
+
+    def info(self, submission_id: str) -> JobInfo | None:
+        """The job, or None if the cluster does not know it."""
+        try:
+            return _info(json.loads(self._request("GET", f"/api/jobs/{urllib.parse.quote(submission_id)}")))
+        except _HttpError as e:
+            if e.code == 404 or "does not exist" in e.text:
+                return None
+            raise ClusterError(f"the job API could not say what run {submission_id} is ({e.code}): {_first_line(e.text)}",
+                               "try again") from None
+
+    def list(self) -> list[JobInfo]:
+        try:
+            return [_info(d) for d in json.loads(self._request("GET", "/api/jobs/"))]
+        except _HttpError as e:
+            raise ClusterError(f"the job API could not list runs ({e.code}): {_first_line(e.text)}", "try again") from None
+
+    def stop(self, submission_id: str) -> bool:
+        try:
+            return bool(json.loads(self._request("POST", f"/api/jobs/{urllib.parse.quote(submission_id)}/stop")).get("stopped"))
+        except _HttpError as e:
+            raise ClusterError(f"the job API could not stop run {submission_id} ({e.code}): {_first_line(e.text)}",
+                               "try again") from None
+
+    def driver_log(self, submission_id: str) -> str:
+        """What the run's supervisor printed (every host's prefixed lines and its progress)."""
+        try:
+            doc = json.loads(self._request("GET", f"/api/jobs/{urllib.parse.quote(submission_id)}/logs"))
+        except _HttpError as e:
+            raise ClusterError(f"no log for run {submission_id} ({e.code}): {_first_line(e.text)}", "") from None
+        return str(doc.get("logs") or "")
+
+    def read_file(self, node_id: str, filename: str) -> str | None:
+        """A file under that node's Ray log directory (None if it is not there)."""
+        q = urllib.parse.urlencode({"node_id": node_id, "filename": filename, "lines": -1})
+        try:
+            return self._request("GET", f"/api/v0/logs/file?{q}").decode(errors="replace")
+        except _HttpError as e:
+            if e.code in (404, 500) and ("not found" in e.text.lower() or "no such file" in e.text.lower()
+                                         or "does not exist" in e.text.lower()):
+                return None
+            raise ClusterError(f"could not read {filename} on the head ({e.code}): {_first_line(e.text)}", "") from None
+
+    def follow_file(self, node_id: str, filename: str, interval_s: float = 0.5) -> Iterator[str]:
+        """The file's content, then what is appended to it, as it comes (until the caller stops)."""
+        q = urllib.parse.urlencode({"node_id": node_id, "filename": filename, "lines": -1, "interval": interval_s})
+        resp = self._request("GET", f"/api/v0/logs/stream?{q}", timeout=None, stream=True)
+        with resp:
+            while True:
+                chunk = resp.read1(65536) if hasattr(resp, "read1") else resp.read(65536)
+                if not chunk:
+                    return
+                yield chunk.decode(errors="replace")
+
+
+class _HttpError(Exception):
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(code, text)
+        self.code, self.text = code, text
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return (lines[-1] if lines else "")[:300]

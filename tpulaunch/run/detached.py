@@ -1,0 +1,334 @@
+"""Runs that live on the cluster's head: submitted as Ray jobs, read back from any machine.
+
+`tpulaunch run --detach` submits the launcher itself as a Ray job on the head node: the job runs
+`tpulaunch supervise <request>`, which is the same `tpulaunch run` supervision (plan, attempts,
+restarts, preemptions, timeouts, logs, summary). Its files go under the head's Ray log directory,
+`tpulaunch/runs/<run id>/` (host logs, `status.json` every few seconds, `summary.json` at the end),
+so Ray's log API serves them to any client with the cluster's address and token; the job's own
+log is the supervisor's output (every host's prefixed lines).
+
+The run id is the job's submission id: Ray refuses a second submission of the same id, so a
+client killed while submitting leaves either one run or none. What a run's state is comes from
+the job API and the run's `status.json` together (`run_state`, pure): nothing is invented when
+either is missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpulaunch import discover
+from tpulaunch.cluster.jobs import JobApi, JobInfo
+from tpulaunch.cluster.record import ClusterInfo, check_token_file
+from tpulaunch.errors import ClusterError, LaunchError
+from tpulaunch.plan.launch import new_run_id
+from tpulaunch.run.prepare import LaunchRequest
+from tpulaunch.run.status import RunState, RunView
+
+RUNS_SUBDIR = "tpulaunch/runs"  # under the head's Ray log directory
+META_KEY = "tpulaunch"  # every job tpulaunch submits carries metadata {"tpulaunch": "run", ...}
+STOP_WAIT_S = 90  # what Ray gives the supervisor after SIGTERM (it stops every host first)
+
+
+# -- the request, across the job boundary ----------------------------------------------------------
+
+
+def encode_request(req: LaunchRequest) -> str:
+    return base64.urlsafe_b64encode(json.dumps(dataclasses.asdict(req)).encode()).decode()
+
+
+def decode_request(text: str) -> LaunchRequest:
+    d = json.loads(base64.urlsafe_b64decode(text.encode()))
+    d["slices"] = discover.SliceRequest(**d["slices"])
+    for key in ("args", "command", "env"):
+        d[key] = tuple(d[key])
+    return LaunchRequest(**d)
+
+
+# -- which cluster, which API -----------------------------------------------------------------------
+
+
+def job_api(cluster: ClusterInfo) -> JobApi:
+    """The job API of `cluster`: its recorded dashboard, `RAY_API_SERVER_ADDRESS`, or an http:// address."""
+    token = None
+    if cluster.token_path:
+        token = check_token_file(cluster.token_path, "the cluster's token file")
+    elif os.environ.get("RAY_AUTH_TOKEN"):
+        token = os.environ["RAY_AUTH_TOKEN"].strip()
+    url = cluster.dashboard or os.environ.get("RAY_API_SERVER_ADDRESS") or (
+        cluster.address if cluster.address.startswith(("http://", "https://")) else None)
+    if not url:
+        url = _dashboard_from_gcs(cluster)
+    if not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    return JobApi(url, token)
+
+
+def _dashboard_from_gcs(cluster: ClusterInfo) -> str:
+    """Ask the cluster's GCS where its dashboard is (the key Ray's own job client reads)."""
+    from tpulaunch.cluster.connect import RaysStderr, probe, token_refused
+
+    probe(cluster.address, 5.0)
+    for k, v in cluster.ray_env().items():
+        os.environ.setdefault(k, v)
+    try:
+        with RaysStderr() as said:  # Ray's own complaints stay off the terminal
+            from ray._raylet import GcsClient
+
+            raw = GcsClient(address=cluster.address.removeprefix("ray://")).internal_kv_get(
+                b"webui:url", namespace=b"dashboard", timeout=10)
+    except Exception as e:  # noqa: BLE001 - Ray raises many types
+        if said.rejected() or "Authentication" in type(e).__name__:
+            raise token_refused(cluster) from None
+        raise ClusterError(f"could not ask the cluster at {cluster.address} where its dashboard is: {type(e).__name__}",
+                           "pass the dashboard as --address http://HOST:PORT, or set RAY_API_SERVER_ADDRESS") from None
+    if not raw:
+        raise ClusterError(f"the cluster at {cluster.address} runs no dashboard (no job API)",
+                           "bring it up with `tpulaunch cluster up` (the dashboard is on by default)")
+    return raw.decode()
+
+
+# -- submitting -------------------------------------------------------------------------------------
+
+
+def supervisor_entrypoint(req: LaunchRequest, python: str, workdir: str | None) -> str:
+    """The shell line the job runs: `tpulaunch supervise` with the request (in place when `workdir`)."""
+    line = f"{shlex.quote(python)} -m tpulaunch supervise {encode_request(req)}"
+    return f"cd {shlex.quote(workdir)} && exec {line}" if workdir else f"exec {line}"
+
+
+def submit(req: LaunchRequest, cluster: ClusterInfo, api: JobApi, *, runtime_env: dict | None,
+           python: str | None = None) -> str:
+    """Submit the run; returns its id (the job's submission id). The request's address becomes the
+    cluster's own (the supervisor connects from the head)."""
+    from tpulaunch.run.prepare import is_local
+
+    run_id = req.run_id or new_run_id()
+    sup_req = dataclasses.replace(req, run_id=run_id, address=cluster.address, log_dir=RUNS_SUBDIR)
+    env_vars = {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S), "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
+    if is_local(cluster):
+        # The head is this machine: the supervisor reads the same cluster record.
+        from tpulaunch.cluster.record import state_dir
+
+        env_vars["TPULAUNCH_HOME"] = str(state_dir())
+    if cluster.emulated:
+        # ... and so do the hosts, which share this filesystem: the script runs in place.
+        workdir, job_env = str(Path(req.workdir).resolve()), {"env_vars": env_vars}
+        sup_req = dataclasses.replace(sup_req, workdir=workdir)
+    else:
+        # Hosts on other machines: the job carries the working directory to the supervisor and to
+        # every actor it starts (its cwd is the unpacked copy).
+        workdir, job_env = None, {**(runtime_env or {}), "env_vars": env_vars}
+        sup_req = dataclasses.replace(sup_req, workdir=".")
+    entry = supervisor_entrypoint(sup_req, python or (sys.executable if is_local(cluster) else "python3"), workdir)
+    meta = {META_KEY: "run", "run_id": run_id, "script": req.script or " ".join(req.command),
+            "submitted_from": os.uname().nodename}
+    api.submit(entrypoint=entry, submission_id=run_id, runtime_env=job_env, metadata=meta)
+    return run_id
+
+
+def run_tool(api: JobApi, args: list[str], *, python: str, timeout_s: float = 120.0) -> tuple[int, str]:
+    """`tpulaunch ARGS` on the head, as a short Ray job (a run's files are there, and its Ray is
+    reachable from there): (exit code, what it printed). Not listed by `tpulaunch runs`."""
+    sid = f"tpulaunch-{args[0]}-{new_run_id()}"
+    line = " ".join(shlex.quote(a) for a in [python, "-m", "tpulaunch", *args])
+    api.submit(entrypoint=f"exec {line}", submission_id=sid, metadata={META_KEY: "tool", "tool": args[0]},
+               runtime_env={"env_vars": {"NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = api.info(sid)
+        if job is not None and job.terminal:
+            return (job.driver_exit_code if job.driver_exit_code is not None else 1), run_output(api.driver_log(sid))
+        if time.monotonic() >= deadline:
+            api.stop(sid)
+            raise ClusterError(f"`tpulaunch {args[0]}` on the head did not answer within {timeout_s:.0f} s",
+                               "the head may be overloaded; try again")
+        time.sleep(0.3)
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run as the cluster knows it: its job, and its status file if the supervisor wrote one."""
+
+    run_id: str
+    job: JobInfo
+    view: RunView | None
+
+    @property
+    def state(self) -> RunState:
+        return run_state(self.job, self.view)
+
+    @property
+    def exit_code(self) -> int | None:
+        return run_exit_code(self.job, self.view)
+
+
+def run_state(job: JobInfo | None, view: RunView | None) -> RunState:
+    """What a run is, from what the job API and its status file say (pure; invents nothing)."""
+    if job is None:
+        return RunState.UNKNOWN
+    if job.status == "PENDING":
+        return RunState.PENDING
+    if job.status == "RUNNING":
+        if view is None:
+            return RunState.PENDING  # the supervisor has not written its first status yet
+        return view.state if not view.state.terminal else RunState.RUNNING
+    if job.status == "STOPPED":
+        return RunState.STOPPED
+    if job.status == "SUCCEEDED":
+        return RunState.SUCCEEDED
+    if job.status == "FAILED":
+        if job.error_type and "SUPERVISOR" in job.error_type:
+            return RunState.LOST  # the supervisor died with its node: the hosts' fate is not known here
+        if view is not None and view.state is RunState.STOPPED:
+            return RunState.STOPPED
+        return RunState.FAILED
+    return RunState.UNKNOWN
+
+
+def run_exit_code(job: JobInfo | None, view: RunView | None) -> int | None:
+    """The run's own exit code (the README's table) once it ended; None while it runs or if unknown."""
+    if job is None or not job.terminal:
+        return None
+    if view is not None and view.exit_code is not None:
+        return view.exit_code
+    return job.driver_exit_code
+
+
+def file_path(run_id: str, *parts: str) -> str:
+    return "/".join((RUNS_SUBDIR, run_id, *parts))
+
+
+def read_view(api: JobApi, job: JobInfo) -> RunView | None:
+    if not job.driver_node_id:
+        return None
+    text = api.read_file(job.driver_node_id, file_path(job.submission_id, "status.json"))
+    if not text:
+        return None
+    try:
+        return RunView.from_dict(json.loads(text))
+    except (ValueError, KeyError, TypeError):
+        return None  # being written (never half: it is replaced whole), or from another version
+
+
+def runs(api: JobApi) -> list[JobInfo]:
+    """Every run tpulaunch submitted to this cluster, oldest first."""
+    mine = [j for j in api.list() if j.metadata.get(META_KEY) == "run"]
+    return sorted(mine, key=lambda j: (j.start_time or 0.0, j.submission_id))
+
+
+def find(api: JobApi, run: str) -> JobInfo:
+    """`RUN`: a run id, or `last` (the newest run on the cluster)."""
+    if run == "last":
+        mine = runs(api)
+        if not mine:
+            raise LaunchError("no run on this cluster yet", "start one with `tpulaunch run SCRIPT --detach`")
+        return mine[-1]
+    job = api.info(run)
+    if job is None or job.metadata.get(META_KEY) != "run":
+        known = ", ".join(j.submission_id for j in runs(api)[-5:]) or "none"
+        raise LaunchError(f"no run {run} on this cluster", f"recent runs: {known} (`tpulaunch runs` lists them)")
+    return job
+
+
+def record(api: JobApi, job: JobInfo) -> RunRecord:
+    return RunRecord(job.submission_id, job, read_view(api, job))
+
+
+def wait(api: JobApi, run_id: str, timeout_s: float | None, poll_s: float = 1.0) -> RunRecord:
+    """Until the run ends (or `timeout_s`); its last record."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        job = api.info(run_id)
+        if job is None:
+            raise ClusterError(f"the cluster no longer knows run {run_id} (its head restarted?)",
+                               "its logs may still be on the head under " + file_path(run_id))
+        if job.terminal:
+            return record(api, job)
+        if deadline is not None and time.monotonic() >= deadline:
+            return record(api, job)
+        time.sleep(poll_s)
+
+
+_RAYS_OWN = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\t(DEBUG|INFO|WARNING|ERROR) \S+\.py:\d+ -- "
+                       r"|Running entrypoint for job \S+: )")
+
+
+def run_output(driver_log: str) -> str:
+    """The supervisor's output from a job's log, without the lines Ray's job manager adds to it
+    ("Runtime env is setting up.", "Running entrypoint for job ...")."""
+    return "".join(line for line in driver_log.splitlines(keepends=True) if not _RAYS_OWN.match(line))
+
+
+def follow_driver_log(api: JobApi, run_id: str, poll_s: float = 0.5):  # noqa: ANN201 - Iterator[str]
+    """The supervisor's output as it grows (whole lines), until the run ends (then the rest)."""
+    seen = 0
+    while True:
+        job = api.info(run_id)
+        text = api.driver_log(run_id)
+        done = job is None or job.terminal
+        if done:
+            text = api.driver_log(run_id)
+        end = len(text) if done else text.rfind("\n") + 1
+        if end > seen:
+            yield run_output(text[seen:end])
+            seen = end
+        if done:
+            return
+        time.sleep(poll_s)
+
+
+# -- the supervisor's side ---------------------------------------------------------------------------
+
+
+class StatusFile:
+    """A sink that passes everything on and keeps `status.json` of the run up to date."""
+
+    def __init__(self, inner, path: Path, script: str) -> None:  # noqa: ANN001 - a run.Sink
+        self.inner, self.path, self.script = inner, path, script
+        self.started = time.time()
+        self.history: tuple[dict, ...] = ()
+
+    def host_line(self, process: int, stream: str, text: str) -> None:
+        self.inner.host_line(process, stream, text)
+
+    def progress(self, message: str) -> None:
+        self.inner.progress(message)
+
+    def status(self, view: RunView) -> None:
+        from tpulaunch.run import status as st
+
+        self.history = view.attempts or self.history
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        st.write(self.path, dataclasses.replace(view, script=self.script, started=self.started, attempts=self.history,
+                                                updated=time.time()))
+        self.inner.status(view)
+
+    def finished(self, summary) -> None:  # noqa: ANN001 - a RunSummary
+        """The end: the state and exit code the run ended with."""
+        from tpulaunch.run.launch import attempts_brief
+        from tpulaunch.run.summary import Outcome
+
+        state = {Outcome.OK: RunState.SUCCEEDED, Outcome.INTERRUPTED: RunState.STOPPED}.get(summary.outcome, RunState.FAILED)
+        from tpulaunch.run.status import HostPhase, HostView
+
+        last = summary.attempts[-1].index if summary.attempts else 0
+        hosts = tuple(HostView(h.process_index, h.slice_index, h.worker_id,
+                               HostPhase.LOST if h.lost else HostPhase.STOPPED if h.stopped_by_tpulaunch else HostPhase.EXITED,
+                               h.exit_code, None, "", h.reason) for h in summary.hosts)
+        view = RunView(summary.run_id, state, last, hosts, attempts_brief(summary.attempts), exit_code=summary.exit_code,
+                       note=summary.note)
+        self.history = view.attempts
+        self.status(view)
