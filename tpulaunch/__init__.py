@@ -6,6 +6,7 @@ Inside a launched script::
     mesh = tpulaunch.get_mesh()      # torch_xla Mesh or jax.sharding.Mesh, built from the plan
     ctx = tpulaunch.context()        # process index, world size, coordinator, slice, run id, ...
     tpulaunch.heartbeat()            # progress without printing (for --stall-timeout)
+    tpulaunch.heartbeat(step=n)      # ... and where it is (step rates, stragglers named)
 """
 
 from tpulaunch.host.context import context, get_mesh, get_mesh_plan, heartbeat

@@ -290,8 +290,137 @@ def time_to(pattern: str, cmd: list[str], env: dict) -> float:
     return seen
 
 
+def scale_run(n: int, scenario: str, seconds: float, *flags: str) -> dict:
+    out = timed([PY, str(HERE / "scale.py"), str(n), scenario, str(seconds), *flags])[1]
+    m = re.search(r"^SCALE (\{.*\})$", out, re.M)
+    if not m:
+        raise SystemExit("bench: scale.py printed no result:\n" + out[-2000:])
+    return json.loads(m.group(1))
+
+
+def scale_section(_ctx: dict) -> str:
+    """The supervision of N simulated hosts on real Ray (`scale.py`), now and with the old cadence."""
+    seconds = 20.0
+    rows = []
+    for n in (16, 256, 2304):
+        for scenario in ("quiet", "chatty", "failure"):
+            print(f"bench: scale, {n} simulated hosts, {scenario}", file=sys.stderr)
+            rows.append(("now", scale_run(n, scenario, seconds)))
+    for scenario in ("quiet", "chatty"):
+        print(f"bench: scale, 2304 simulated hosts, {scenario}, the old cadence (baseline)", file=sys.stderr)
+        rows.append(("baseline: 1 poll/s per host, no batching", scale_run(2304, scenario, seconds, "--old-cadence")))
+
+    def row(label: str, r: dict) -> str:
+        stop = f"{r['stop_s']:.2f} ({r['told']} told)" if r["stop_s"] is not None else ""
+        lost = r["lines_sent"] - r["lines_written"]
+        return (f"| {r['hosts']} | {r['scenario']} | {label} | {r['cpu_cores']:.2f} | {r['peak_rss_mib']:.0f} |"
+                f" {r['polls_per_s']:.0f} | {r['lines_per_s']:.0f} | {r['lines_sent']} / {r['lines_written']}"
+                f"{' (LOST ' + str(lost) + ')' if lost else ''} | {stop} | {r['summary_s'] * 1000:.0f} |\n")
+
+    table = "".join(row(label, r) for label, r in rows)
+    return f"""## Supervising many hosts (simulated hosts, real Ray, real supervision)
+
+Measured on {datetime.date.today().isoformat()} (`scripts/bench.d/scale.py`): the real `RayFleet`, `AttemptWatch`,
+host logs and terminal sink supervise N simulated hosts, answered by {4} async actor processes that
+speak the host agent's calls (one real Ray call per host per poll), for {seconds:.0f} s per row. quiet: no host
+prints; chatty: every host prints a line a second; failure: chatty, host N/2 exits 1 halfway. CPU is the
+launcher process's (process time / wall; the actors are other processes), RSS its peak, polls the calls
+the launcher made per second; stop: from the failing host's exit to the last host told to stop.
+
+| hosts | scenario | cadence | launcher CPU (cores) | peak RSS (MiB) | polls/s | lines/s to logs | lines sent / written | stop (s) | summary (ms) |
+| ---: | --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |
+{table}
+The cadence now (`run.fleet.cadence`): up to 16 hosts, one renewal a second and every line at once;
+above, a quiet host's poll is renewed every N/250 s (1-10 s) and a chatty host's reply gathers N/500 s
+of lines (up to 5 s); a host's end always answers at once.
+"""
+
+
+def launcher_cpu(cmd: list[str], env: dict, cwd: Path = REPO) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the launcher process itself) of one command."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise SystemExit(f"bench: {' '.join(cmd)} failed ({p.returncode}):\n{p.stderr.read()[-3000:] if p.stderr else ''}")
+    return wall, usage.ru_utime + usage.ru_stime
+
+
+def real_scale_section(ctx: dict) -> str:
+    """Launch of a no-framework script on 4-32 real emulated Ray nodes, cold and warm."""
+    env = ctx["env"]
+    logs = ["--log-dir", os.path.join(env["TPULAUNCH_HOME"], "runs")]
+    script = str((HERE / "noframework.py").relative_to(REPO))
+    shapes = ((4, "2x8"), (8, "4x8"), (16, "8x8"), (32, "8x16"))
+    rows = []
+    for hosts, topo in shapes:
+        print(f"bench: real Ray, {hosts} emulated hosts: cold", file=sys.stderr)
+        cold = launcher_cpu([*TL, "run", script, "--topology", topo, "--framework", "none", *logs], env)
+        print(f"bench: real Ray, {hosts} emulated hosts: cluster up, then warm runs", file=sys.stderr)
+        up_wall, _ = launcher_cpu([*TL, "cluster", "up", "--topology", topo, "--prewarm", "none"], env)
+        try:
+            launcher_cpu([*TL, "run", script, "--topology", topo, "--address", "auto", "--framework", "none", *logs], env)
+            warm = [launcher_cpu([*TL, "run", script, "--topology", topo, "--address", "auto", "--framework", "none",
+                                  *logs], env) for _ in range(ctx["n"])]
+        finally:
+            timed([*TL, "cluster", "down"], env)
+        w = sorted(warm)[len(warm) // 2]
+        rows.append((hosts, topo, cold, up_wall, w))
+    base = rows[1]
+    table = "".join(f"| {h} | {t} | {c[0]:.1f} | {c[1]:.2f} | {u:.1f} | {w[0]:.2f} | {w[1]:.2f} |"
+                    f" {c[0] / base[2][0]:.2f} | {w[0] / base[4][0]:.2f} |\n" for h, t, c, u, w in rows)
+    return f"""## Launch time vs real Ray nodes (`--framework none`)
+
+Measured on {datetime.date.today().isoformat()}: `tpulaunch run noframework.py --framework none` on emulated slices
+of 4 to 32 hosts, each host a real Ray node on this machine ({os.cpu_count()} cores). Cold: the run starts and
+stops its own cluster. Warm: on `cluster up` (after one run), median of {ctx['n']}. Launcher CPU: the
+`tpulaunch` process itself (user + system), not Ray's daemons. Growth is relative to 8 hosts.
+
+| hosts | topology | cold (s) | cold launcher CPU (s) | cluster up (s) | warm (s) | warm launcher CPU (s) | cold vs 8 | warm vs 8 |
+| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+{table}
+From 8 to 32 hosts (4x the nodes) a cold launch grows {rows[3][2][0] / base[2][0]:.2f}x and a warm one {rows[3][4][0] / base[4][0]:.2f}x.
+"""
+
+
+def preflight_section(ctx: dict) -> str:
+    """What preflight adds to a warm 2x8 launch: pairs of runs with and without it."""
+    env, noop = ctx["env"], ctx["noop"]
+    logs = ["--log-dir", os.path.join(env["TPULAUNCH_HOME"], "runs")]
+    timed([*TL, "cluster", "up", "--topology", "2x8"], env)
+    pairs, inside = [], []
+    try:
+        for k in range(5):
+            print(f"bench: preflight, pair {k + 1} of 5", file=sys.stderr)
+            got = {}
+            for label, flags in (("with", []), ("without", ["--no-preflight"])):
+                time.sleep(SPARES_READY_S)
+                dt, summary = run_json([*TL, "run", noop, "--topology", "2x8", "--address", "auto", *logs, *flags], env)
+                got[label] = dt
+                if label == "with":
+                    inside.append(summary["attempts"][0]["timings"]["preflight_s"])
+            pairs.append((got["with"], got["without"]))
+    finally:
+        timed([*TL, "cluster", "down"], env)
+    diffs = [a - b for a, b in pairs]
+    return f"""## Preflight on a warm 2x8 (4 hosts)
+
+Measured on {datetime.date.today().isoformat()}: 5 pairs of warm `tpulaunch run noop.py --topology 2x8 --address auto`,
+with preflight (the default) then `--no-preflight`, spares ready before each run.
+
+| pair | with (s) | without (s) | added (s) | preflight phase (s, from the summary) |
+| ---: | ---: | ---: | ---: | ---: |
+""" + "".join(f"| {k + 1} | {a:.2f} | {b:.2f} | {a - b:+.2f} | {p:.2f} |\n" for k, ((a, b), p) in enumerate(zip(pairs, inside))) + f"""
+Median added: **{statistics.median(diffs):+.2f} s** (the phase itself: {statistics.median(inside):.2f} s; the
+budget is 1.5 s).
+"""
+
+
 SECTIONS = {"planning": planning_section, "launch": launch_section, "steps": step_section, "scaling": scaling_section,
-            "first_step": first_step_section}
+            "first_step": first_step_section, "preflight": preflight_section, "scale": scale_section,
+            "real_scale": real_scale_section}
 MARK = "<!-- bench section: {} -->"
 
 

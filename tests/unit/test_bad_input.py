@@ -57,8 +57,13 @@ def run(work, home, *args, env_extra=None):
     ("--schedule-timeout", "nan", "--schedule-timeout nan is not a positive number"),
     ("--idle-timeout", "-inf", "--idle-timeout -inf is not a positive number"),
     ("--max-upload-mb", "nan", "--max-upload-mb nan is not a positive number"),
+    ("--straggler-ratio", "nan", "--straggler-ratio nan is not a fraction below 1"),
+    ("--straggler-ratio", "1", "--straggler-ratio 1 is not a fraction below 1"),
+    ("--straggler-ratio", "-0.5", "--straggler-ratio -0.5 is not a fraction below 1"),
+    ("--coordinator-port", "0", "--coordinator-port 0 is not a TCP port"),
+    ("--coordinator-port", "65535", "--coordinator-port 65535 is not a TCP port"),
 ])
-def test_nan_and_infinity_are_refused(work, home, flag, value, says):
+def test_numbers_out_of_their_range_are_refused(work, home, flag, value, says):
     assert says in one_line(run(work, home, "--topology", "2x8", flag, value), ExitCode.USAGE)
 
 

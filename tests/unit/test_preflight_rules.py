@@ -98,6 +98,9 @@ def test_a_held_tpu():
     (f,) = findings(plan, [_report(plan, 0), r1])
     assert f.line() == ("host 1's TPU is held: pid 77 (python old_train.py). rerun with --kill-stale, or"
                         " `tpulaunch cluster doctor --kill-stale` on that host")
+    stale = replace(_report(plan, 1), stale_lockfile="/tmp/libtpu_lockfile")
+    (w,) = findings(plan, [_report(plan, 0), stale])
+    assert not w.error and w.what == "host 1 has a stale libtpu lockfile /tmp/libtpu_lockfile (no process holds it)"
 
 
 @pytest.mark.parametrize("field, value, says", [

@@ -34,6 +34,8 @@ def exec_cmd(
     kill_stale: bool = opt.KILL_STALE,
     keep_children: bool = opt.KEEP_CHILDREN,
     no_preflight: bool = opt.NO_PREFLIGHT,
+    straggler_ratio: float = opt.STRAGGLER_RATIO,
+    coordinator_port: Optional[int] = opt.COORDINATOR_PORT,
     timeout: Optional[float] = opt.TIMEOUT,
     stall_timeout: Optional[float] = opt.STALL_TIMEOUT,
     max_restarts: int = opt.MAX_RESTARTS,
@@ -51,7 +53,8 @@ def exec_cmd(
         command=tuple(command),
         slices=discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
                                      tpu=tpu, zone=zone, project=project, force=force, num_slices=num_slices),
-        env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, address=address, distributed=False, log_dir=log_dir,
+        env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, straggler_ratio=straggler_ratio, address=address,
+        coordinator_port=coordinator_port, distributed=False, log_dir=log_dir,
         workdir=workdir, ship_workdir=not no_ship, timeout=timeout, stall_timeout=stall_timeout,
         max_restarts=max_restarts,
     )

@@ -11,23 +11,30 @@ from rich.text import Text
 from tpulaunch import discover, run
 from tpulaunch.cli import app, debug_enabled
 from tpulaunch.cli import options as opt
+from tpulaunch.cli.hostlines import MANY_HOSTS, STATUS_EVERY_S, HostLineFilter, grouped_results, many_status
 from tpulaunch.cli.noise import NoiseFold
 from tpulaunch.cli.output import Output, host_color
 from tpulaunch.errors import LaunchError
 from tpulaunch.run import Outcome, RunSummary
+from tpulaunch.run.status import RunView
 
 
 class TerminalSink(run.Sink):
-    """Host lines as `[host 2] ...`: colored on a terminal, plain in a pipe, on stderr with --json."""
+    """Host lines as `[host 2] ...`: colored on a terminal, plain in a pipe, on stderr with --json;
+    above 16 hosts, host 0, errors and a status line (`cli.hostlines`)."""
 
-    def __init__(self, out: Output, show: set[int] | None) -> None:
+    def __init__(self, out: Output, show: set[int] | None, hosts: int = 0, every: bool = False) -> None:
         self.out = out
-        self.show = show
+        self.lines = HostLineFilter(hosts, show, every)
         self.console = out.err if out.json_mode else out.out
         self.noise = NoiseFold()
+        self._next_status = time.monotonic() + STATUS_EVERY_S
+        if self.lines.many:
+            self.progress(f"{hosts} hosts: showing host 0, every host's errors, and a status line every"
+                          f" {STATUS_EVERY_S:.0f} s (--hosts all shows every line; each host's log has all of its own)")
 
     def host_line(self, process: int, stream: str, text: str) -> None:
-        if self.show is not None and process not in self.show:
+        if not self.lines.wants(process, text):
             return
         kind = self.noise.classify(text)
         if kind == "fold":
@@ -40,6 +47,11 @@ class TerminalSink(run.Sink):
 
     def progress(self, message: str) -> None:
         self.out.info(Text("tpulaunch: ", style="dim") + Text(message))
+
+    def status(self, view: RunView) -> None:
+        if self.lines.many and view.hosts and time.monotonic() >= self._next_status:
+            self._next_status = time.monotonic() + STATUS_EVERY_S
+            self.progress(many_status(view.hosts, time.time()))
 
 
 def parse_hosts(value: str | None) -> set[int] | None:
@@ -74,10 +86,14 @@ def report(out: Output, summary: RunSummary, sink: TerminalSink | None = None) -
         return
     for a in summary.attempts[:-1]:
         out.info(f"attempt {a.index}: {a.outcome}: {a.who or 'no host failed'}; logs in {a.log_dir}")
-    for h in summary.hosts:
-        note = " (stopped by tpulaunch)" if h.stopped_by_tpulaunch and not h.lost else ""
-        out.info(f"host {h.process_index} (slice {h.slice_index} worker {h.worker_id}): {h.reason or 'did not start'}"
-                 f" in {h.wall_s:.1f} s{note}")
+    ends = [(h, (h.reason or "did not start") + (" (stopped by tpulaunch)" if h.stopped_by_tpulaunch and not h.lost else ""))
+            for h in summary.hosts]
+    if len(ends) > MANY_HOSTS:  # one line per way of ending, not 2,304 lines
+        for line in grouped_results([(h.process_index, how, h.wall_s) for h, how in ends]):
+            out.info(line)
+    else:
+        for h, how in ends:
+            out.info(f"host {h.process_index} (slice {h.slice_index} worker {h.worker_id}): {how} in {h.wall_s:.1f} s")
     where = f"logs in {summary.log_dir}"
     f = summary.first_failure
     if summary.outcome is Outcome.INTERRUPTED:
@@ -148,6 +164,8 @@ def run_cmd(
     kill_stale: bool = opt.KILL_STALE,
     keep_children: bool = opt.KEEP_CHILDREN,
     no_preflight: bool = opt.NO_PREFLIGHT,
+    straggler_ratio: float = opt.STRAGGLER_RATIO,
+    coordinator_port: Optional[int] = opt.COORDINATOR_PORT,
     timeout: Optional[float] = opt.TIMEOUT,
     stall_timeout: Optional[float] = opt.STALL_TIMEOUT,
     max_restarts: int = opt.MAX_RESTARTS,
@@ -183,7 +201,8 @@ def run_cmd(
         slices=discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host, tpu=tpu,
                                      queued_resource=queued_resource, zone=zone, project=project, num_slices=num_slices,
                                      dcn=dcn, force=force),
-        mesh=mesh, framework=framework, env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, address=address,
+        mesh=mesh, framework=framework, env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, straggler_ratio=straggler_ratio, address=address,
+        coordinator_port=coordinator_port,
         distributed=not no_dist, log_dir=log_dir, workdir=workdir, schedule_timeout=schedule_timeout,
         max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout, max_restarts=max_restarts,
         max_preemptions=max_preemptions, preemption_wait=preemption_wait, preemption_grace=preemption_grace,
@@ -209,7 +228,10 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
             raise LaunchError("--detach runs the run on a cluster's head, and none was given",
                               "bring one up (`tpulaunch cluster up ...`) and pass --address auto (or HOST:PORT)")
         return _on_the_head(out, req, target, show, follow=not detach, attach_stop=attach_stop)
-    conn = run.Connection(target, run.shipped_workdir(req))
+    # Emulated hosts run in place (their own cluster, or an emulated one): nothing to ship.
+    real = target.cluster is not None and not target.cluster.emulated
+    ship = run.shipped_workdir(req)  # checked even when not shipped: a rehearsal refuses what the slice would
+    conn = run.Connection(target, ship if real else None)
     try:
         prep = run.prepare(req, target, conn.cluster_slices(req), conn.runtime_env)
         check_hosts(show, len(prep.plan.hosts))
@@ -221,7 +243,7 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
         conn.close()
         print_plan(out, prep)
         return 0
-    sink = TerminalSink(out, show)
+    sink = TerminalSink(out, show, len(prep.plan.hosts), every=(hosts or "").strip() == "all")
     summary = run.launch(prep, sink, conn, quiet_ray=True, debug=debug_enabled())
     report(out, summary, sink)
     return summary.exit_code
@@ -311,7 +333,7 @@ def supervise_request(out: Output, req: run.LaunchRequest) -> int:
         conn.close()
         raise
     _notes(out, prep)
-    sink = detached.StatusFile(TerminalSink(out, None), Path(prep.plan.job.log_dir) / "status.json",
+    sink = detached.StatusFile(TerminalSink(out, None, len(prep.plan.hosts)), Path(prep.plan.job.log_dir) / "status.json",
                                req.script or " ".join(req.command))
     summary = run.launch(prep, sink, conn, quiet_ray=True, debug=debug_enabled())
     sink.finished(summary)

@@ -52,6 +52,14 @@ KEEP_CHILDREN = typer.Option(
     False, "--keep-children",
     help="Leave processes a host's script started (servers, daemons) running after it exits; by default they"
          " are stopped with it (and named).")
+COORDINATOR_PORT = typer.Option(
+    None, "--coordinator-port", metavar="PORT",
+    help="The port the hosts meet on at process 0's host (MASTER_PORT); on a real slice JAX's coordinator"
+         " takes PORT+1 and tpulaunch's gloo group PORT+2. Default: 8476 on a slice (open it in the firewall),"
+         " a free port when emulated.")
+STRAGGLER_RATIO = typer.Option(
+    0.7, "--straggler-ratio", metavar="R",
+    help="Name a host whose step rate (tpulaunch.heartbeat(step=N)) falls below R x the median host's; 0: never.")
 NO_PREFLIGHT = typer.Option(False, "--no-preflight",
                             help="Skip the checks of every host (versions, ports, chips, ids) before the scripts start.")
 DRY_RUN = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, env, mesh) and start nothing.")

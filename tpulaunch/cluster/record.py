@@ -111,8 +111,9 @@ def record_path() -> Path:
     return state_dir() / "cluster.json"
 
 
-def save_record(info: ClusterInfo) -> None:
-    p = record_path()
+def save_record(info: ClusterInfo, path: Path | None = None) -> None:
+    """Write the record (this machine's, or a copy at `path`: a run's `cluster.json`)."""
+    p = path or record_path()
     tmp = p.with_name(p.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -120,9 +121,10 @@ def save_record(info: ClusterInfo) -> None:
     os.replace(tmp, p)  # whole or not at all: a killed writer never leaves half a record
 
 
-def load_record() -> ClusterInfo | None:
-    """The record, None if there is none; StateError if it cannot be read or trusted."""
-    p = record_path()
+def load_record(path: Path | None = None) -> ClusterInfo | None:
+    """The record (or the copy at `path`), None if there is none; StateError if it cannot be read
+    or trusted."""
+    p = path or record_path()
     if not p.exists() and not p.is_symlink():
         return None
     if p.is_dir():

@@ -44,7 +44,8 @@ from typing import Callable
 from tpulaunch import procfs
 from tpulaunch.errors import ExitCode
 from tpulaunch.host.context import HEARTBEAT_ENV
-from tpulaunch.host.protocol import AgentInfo, HostOptions, PollReply, PreflightReport, PreflightRequest, Started
+from tpulaunch.host.protocol import (AgentInfo, HostOptions, HostRun, PollReply, PreflightReport, PreflightRequest,
+                                     Started)
 from tpulaunch.plan.env import split_env
 from tpulaunch.plan.launch import HostState, run_marker
 
@@ -329,6 +330,7 @@ class HostAgent:
         self._host: HostProcess | None = None
         self._refused: int | None = None
         self._run_id: str | None = None
+        self._state: HostState | None = None  # the run of the host process started last
         self._files: list[str] = []
         self._heartbeat: str | None = None
         self._timings: str | None = None
@@ -355,8 +357,15 @@ class HostAgent:
         return AgentInfo(
             node_id=rc.get_node_id(), node_ip=ray.util.get_node_ip_address(), hostname=socket.gethostname(),
             labels={k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(labels).items()},
-            pid=os.getpid(), spares=tuple(sorted(self._spares)),
+            pid=os.getpid(), spares=tuple(sorted(self._spares)), run=self._serving(),
         )
+
+    def _serving(self) -> HostRun | None:
+        st, h = self._state, self._host
+        if st is None or h is None or not h.alive:
+            return None
+        return HostRun(st.run_id, st.attempt, st.process_index, st.mesh.num_slices * st.job.topology.num_hosts,
+                       st.job.log_dir)
 
     # -- a run ----------------------------------------------------------------------------------
 
@@ -371,6 +380,7 @@ class HostAgent:
             self._end_leftover()
             run_id = state.run_id
             self._run_id, self._grace_s, self._preempted, self._refused = run_id, options.preemption_grace_s, None, None
+            self._state = state
             self._last_poll = time.time()
             if options.check_tpu and not self._tpu_free(options.kill_stale):
                 self._refused = EXIT_TPU_BUSY
@@ -441,15 +451,13 @@ class HostAgent:
                 error = f"the probe failed: {type(e).__name__}: {e}"
         rc = ray.get_runtime_context()
         labels = {k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(rc.get_node_labels()).items()}
-        holders: tuple[str, ...] = ()
         report = tpu_holders.scan()
-        if not report.clean:
-            holders = tuple(f"pid {h.pid} ({h.cmdline[:60]})" for h in report.holders) or (f"stale {report.lockfile}",)
+        holders = tuple(f"pid {h.pid} ({h.cmdline[:60]})" for h in report.holders)
         return PreflightReport(
             process_index=state.process_index, probe=probe, node_worker_id=os.environ.get("TPU_WORKER_ID"),
             label_worker_id=labels.get("ray.io/tpu-worker-id"), label_slice=labels.get("ray.io/tpu-slice-name"),
             metadata_worker_id=self._metadata_worker_id(options) if not state.emulated else None,
-            tpu_holders=holders, error=error)
+            tpu_holders=holders, stale_lockfile=report.lockfile if report.lockfile_stale else None, error=error)
 
     @staticmethod
     def _metadata_worker_id(options: HostOptions) -> str | None:
@@ -492,8 +500,11 @@ class HostAgent:
         self._notes.append(f"tpulaunch: --kill-stale: {what}; cleared {result}")
         return not result["failed"]
 
-    def poll(self, max_lines: int = 5000, wait_s: float = 0.0) -> PollReply:
-        """New output lines, and the end once every line is out. Waits up to `wait_s` for either."""
+    def poll(self, max_lines: int = 5000, wait_s: float = 0.0, batch_s: float = 0.0) -> PollReply:
+        """New output lines, and the end once every line is out. Waits up to `wait_s` for either;
+        with `batch_s`, lines that arrive within `batch_s` of the call come in the same reply (many
+        hosts: fewer, fuller replies), while the end of the process still answers at once."""
+        t0 = time.monotonic()
         self._last_poll = time.time()
         notes, self._notes = [("stderr", n) for n in self._notes], []
         h = self._host
@@ -505,6 +516,9 @@ class HostAgent:
         with h.cond:
             if wait_s > 0 and not h.lines and not h.done():
                 h.cond.wait(wait_s)
+            rest = t0 + batch_s - time.monotonic()
+            if rest > 0 and h.lines:
+                h.cond.wait_for(lambda: h.done() or len(h.lines) >= max_lines, timeout=rest)
             n = min(max_lines, len(h.lines))
             out = notes + [h.lines.popleft() for _ in range(n)]
             code = h.code() if h.done() and not h.lines else None
@@ -514,7 +528,7 @@ class HostAgent:
             self._cleanup_files()
         return PollReply(lines=tuple(out), code=code, wall_s=(h.exited or time.time()) - h.started,
                          ended=h.exited if code is not None else None, activity=self._activity(h),
-                         preempted=self._preempted, phases=phases)
+                         preempted=self._preempted, phases=phases, step=self._step())
 
     def _phases(self) -> dict:
         try:
@@ -531,6 +545,15 @@ class HostAgent:
             except OSError:
                 pass
         return max(h.last_line, beat)
+
+    def _step(self) -> int | None:
+        """The step the script last gave `tpulaunch.heartbeat(step=N)` (None: it never did)."""
+        try:
+            with open(self._heartbeat or "", "rb") as f:
+                text = f.read(64).strip()
+            return int(text) if text else None
+        except (OSError, ValueError):
+            return None
 
     def release(self, prewarm: HostState | None = None) -> None:
         """The run is over: stop what is left of it; with `prewarm`, start a spare for the next

@@ -43,6 +43,7 @@ class PollReply:
     activity: float  # time.time() of the last sign of life: an output line or tpulaunch.heartbeat()
     preempted: str | None = None  # why, when this host is going away (a notice, SIGTERM to the agent)
     phases: dict = field(default_factory=dict)  # import_s, boot_s, mesh_s (from the bootstrap), at the end
+    step: int | None = None  # the last `tpulaunch.heartbeat(step=N)`, if the script reports steps
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,18 @@ class AgentInfo:
     labels: dict
     pid: int
     spares: tuple[str, ...] = ()
+    run: "HostRun | None" = None  # the run this agent's host process belongs to, while it runs
+
+
+@dataclass(frozen=True)
+class HostRun:
+    """Which run an agent is serving (`tpulaunch stacks` finds a run's hosts by it)."""
+
+    run_id: str
+    attempt: int
+    process_index: int
+    hosts: int  # how many hosts the run has
+    log_dir: str  # the run's directory on the driver's machine
 
 
 @dataclass(frozen=True)
@@ -80,4 +93,5 @@ class PreflightReport:
     label_slice: str | None
     metadata_worker_id: str | None = None  # agent-worker-number from the GCE metadata server (TPU VMs)
     tpu_holders: tuple[str, ...] = ()  # processes holding the TPU or the libtpu lockfile
+    stale_lockfile: str | None = None  # the libtpu lockfile, left by a process that is gone
     error: str | None = None  # the probe could not run

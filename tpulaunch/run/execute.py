@@ -67,6 +67,7 @@ class Limits:
     keep_warm: bool = False  # the cluster outlives the run: leave a spare process on every host
     keep_children: bool = False  # leave what a host's script started running after it exits
     preflight: bool = True  # check every host (versions, ports, chips, ids) before any script starts
+    straggler_ratio: float = 0.7  # name a host below this x the median step rate (0: never)
     debug: bool = False  # say more (why a host did not get a spare)
 
 
@@ -151,13 +152,8 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
 
     t0 = time.time()
     paths = RunPaths.of(plan.job.log_dir)
-    logs = HostLogs(paths, plan.attempt)
-    hosts = [HostResult(h.process_index, h.slice_index, h.worker_id, log=str(logs.path(h.process_index)))
-             for h in plan.hosts]
-    for h in plan.hosts:
-        logs.touch(h.process_index)  # every host has its log, even one that never printed
-    watch = W.AttemptWatch(plan.attempt, hosts, W.StopRules(limits.deadline, limits.stall_timeout_s,
-                                                            limits.preemption_grace_s), time.monotonic())
+    logs, watch = attempt_watch(plan, limits)
+    hosts = watch.hosts
     timings: dict[str, float] = {}
     fleet: RayFleet | None = None
     pg = None
@@ -185,22 +181,8 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
                 for r, info in zip(hosts, infos):
                     r.node_ip = info.node_ip
                 fleet = RayFleet(agents, raylets)
-                options = host_options(plan, limits)
-                if limits.preflight and not _preflight(plan, fleet, options, watch, sink, timings, limits):
-                    return watch.result(str(paths.attempt(plan.attempt)), time.time() - t0, timings)
-                started = fleet.start(plan.states(), options, limits.schedule_timeout_s)
-                timings["agents_s"] = time.time() - t0
-                warm = sum(1 for s in started if s.prewarmed)
-                timings["prewarmed_hosts"] = warm
-                if warm < len(started) and limits.debug:
-                    why = next(s.why for s in started if not s.prewarmed)
-                    sink.progress(f"{len(started) - warm} host(s) started a fresh process: {why}")
-                watch.started(time.time())
-                if interrupts.received is None:
-                    sink.progress(f"running on {len(plan.hosts)} host(s)"
-                                  + (f", attempt {plan.attempt}" if plan.attempt else ""))
                 probe = (lambda: reachable(gcs_address)) if gcs_address else None
-                head_lost = supervise(plan, fleet, watch, sink, logs, limits, interrupts, timings, probe)
+                head_lost = drive(plan, fleet, watch, sink, logs, limits, interrupts, timings, probe, t0)
     except KeyboardInterrupt:
         import signal
 
@@ -221,6 +203,40 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
     if watch.signal is None and interrupts.received is not None and watch.outcome is None:
         watch.check(time.monotonic(), interrupts.received)  # interrupted before the hosts ran
     return watch.result(str(paths.attempt(plan.attempt)), time.time() - t0, timings)
+
+
+def attempt_watch(plan: LaunchPlan, limits: Limits) -> tuple[HostLogs, W.AttemptWatch]:
+    """The attempt's host logs (each touched: every host has its log, even one that never printed)
+    and its watch."""
+    logs = HostLogs(RunPaths.of(plan.job.log_dir), plan.attempt)
+    hosts = [HostResult(h.process_index, h.slice_index, h.worker_id, log=str(logs.path(h.process_index)))
+             for h in plan.hosts]
+    for h in plan.hosts:
+        logs.touch(h.process_index)
+    rules = W.StopRules(limits.deadline, limits.stall_timeout_s, limits.preemption_grace_s, limits.straggler_ratio)
+    return logs, W.AttemptWatch(plan.attempt, hosts, rules, time.monotonic())
+
+
+def drive(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink, logs: HostLogs, limits: Limits,
+          interrupts: Interrupts, timings: dict, probe_head=None, t0: float | None = None) -> bool:  # noqa: ANN001
+    """One attempt on hosts whose agents are placed: preflight, start, supervise until every host
+    is over. Returns True when the Ray head was lost. `t0`: when the attempt began (timings).
+    (The scale harness drives this with simulated hosts.)"""
+    t0 = t0 or time.time()
+    options = host_options(plan, limits)
+    if limits.preflight and not _preflight(plan, fleet, options, watch, sink, timings, limits):
+        return False
+    started = fleet.start(plan.states(), options, limits.schedule_timeout_s)
+    timings["agents_s"] = time.time() - t0
+    warm = sum(1 for s in started if s.prewarmed)
+    timings["prewarmed_hosts"] = warm
+    if warm < len(started) and limits.debug:
+        why = next(s.why for s in started if not s.prewarmed)
+        sink.progress(f"{len(started) - warm} host(s) started a fresh process: {why}")
+    watch.started(time.time())
+    if interrupts.received is None:
+        sink.progress(f"running on {len(plan.hosts)} host(s)" + (f", attempt {plan.attempt}" if plan.attempt else ""))
+    return supervise(plan, fleet, watch, sink, logs, limits, interrupts, timings, probe_head)
 
 
 def _preflight(plan: LaunchPlan, fleet: Fleet, options: HostOptions, watch: W.AttemptWatch, sink: Sink,
@@ -275,7 +291,10 @@ def supervise(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink,
                 stop_deadline = _carry_out(action, plan, fleet, watch, sink, logs, limits)
         if time.monotonic() >= next_status:
             next_status = time.monotonic() + STATUS_EVERY_S
-            sink.status(RunView(plan.run_id, RunState.RUNNING, plan.attempt, watch.view()))
+            if stop_deadline is None:
+                for line in watch.stragglers(time.monotonic()):
+                    sink.progress(line)
+            sink.status(RunView(plan.run_id, RunState.RUNNING, plan.attempt, watch.view(time.monotonic())))
         if probe_head is not None and stop_deadline is None and time.monotonic() >= next_probe:
             next_probe = time.monotonic() + HEAD_PROBE_EVERY_S
             action = watch.on_head_probe(probe_head(), head)

@@ -114,7 +114,7 @@ def launch(prep: Prepared, sink: Sink, connection: Connection | None = None, *, 
         schedule_timeout_s=req.schedule_timeout, preemption_grace_s=req.preemption_grace,
         deadline=t0 + req.timeout if req.timeout else None, stall_timeout_s=req.stall_timeout,
         kill_stale=req.kill_stale, debug=debug, keep_warm=prep.cluster is not None or req.keep_cluster,
-        keep_children=req.keep_children, preflight=req.preflight,
+        keep_children=req.keep_children, preflight=req.preflight, straggler_ratio=req.straggler_ratio,
         watch_preemption=not plan.emulated or "TPULAUNCH_METADATA_HOST" in plan.job.user_env,
     )
     attempts: list[Attempt] = []
@@ -148,6 +148,7 @@ def launch(prep: Prepared, sink: Sink, connection: Connection | None = None, *, 
                 conn.connect(cluster)
                 phases["connect_s"] = time.monotonic() - t
             sigs.raise_now = False
+            save_record(cluster, paths.cluster)
             with reaper.in_use(cluster.temp_dir):
                 spent, note = _attempts(plan, req, sink, limits, sigs, cluster, attempts)
         except Interrupted as e:

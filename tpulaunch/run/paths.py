@@ -2,9 +2,11 @@
 
     <log dir>/<run id>/
         summary.json                      what happened (written once, at the end)
+        cluster.json                      the cluster it runs on (`tpulaunch stacks` finds it there)
         ray.log                           Ray's own output during the run
         attempt-<k>/host-<i>.log          everything host i printed in attempt k
         attempt-<k>/host-<i>.stacks.txt   py-spy dump of host i (timeouts, stalls)
+        attempt-<k>/stacks-<time>/host-<i>.txt   `tpulaunch stacks` while it ran
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ class RunPaths:
     @property
     def summary(self) -> Path:
         return self.root / "summary.json"
+
+    @property
+    def cluster(self) -> Path:
+        return self.root / "cluster.json"
 
     @property
     def ray_log(self) -> Path:

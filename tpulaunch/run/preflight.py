@@ -143,9 +143,13 @@ def _network(plan: LaunchPlan, reports: list[PreflightReport]) -> list[Finding]:
 
 
 def _chips(reports: list[PreflightReport]) -> list[Finding]:
-    return [Finding(True, (r.process_index,), f"host {r.process_index}'s TPU is held: {'; '.join(r.tpu_holders)}",
-                    "rerun with --kill-stale, or `tpulaunch cluster doctor --kill-stale` on that host")
-            for r in reports if r.tpu_holders]
+    out = [Finding(True, (r.process_index,), f"host {r.process_index}'s TPU is held: {'; '.join(r.tpu_holders)}",
+                   "rerun with --kill-stale, or `tpulaunch cluster doctor --kill-stale` on that host")
+           for r in reports if r.tpu_holders]
+    out += [Finding(False, (r.process_index,), f"host {r.process_index} has a stale libtpu lockfile {r.stale_lockfile}"
+                                               " (no process holds it)", "--kill-stale removes it")
+            for r in reports if r.stale_lockfile and not r.tpu_holders]
+    return out
 
 
 def _identity(plan: LaunchPlan, by_proc: dict[int, PreflightReport]) -> list[Finding]:

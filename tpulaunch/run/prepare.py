@@ -53,6 +53,7 @@ class LaunchRequest:
     # faults (see tpulaunch.run.policy)
     timeout: float | None = None  # wall clock for the whole run
     stall_timeout: float | None = None  # no output or heartbeat from any host for this long
+    straggler_ratio: float = 0.7  # name a host whose step rate is below this x the median (0: never)
     max_restarts: int = 0  # relaunches after a host failed
     max_preemptions: int = 0  # relaunches after a host was lost or preempted
     preemption_wait: float = 600.0  # how long to wait for the slice to be whole again
@@ -152,7 +153,22 @@ def shipped_workdir(req: LaunchRequest) -> dict | None:
     validate(req)
     if not req.ship_workdir:
         return None
-    return workdir_runtime_env(str(checked_workdir(req)), req.max_upload_mb)
+    workdir = checked_workdir(req)
+    from tpulaunch.cluster.record import state_dir
+
+    # The run's own logs and tpulaunch's state (its token) never travel with the code: they change
+    # every run, and Ray keys the shipped copy (and the hosts' warm agents) by its content.
+    inside = [_relative(Path(req.log_dir), workdir), _relative(state_dir(), workdir)]
+    return workdir_runtime_env(str(workdir), req.max_upload_mb, [p for p in inside if p])
+
+
+def _relative(path: Path, root: Path) -> str | None:
+    """`path` as a `/`-anchored pattern relative to `root`, if it lies inside it."""
+    try:
+        rel = (path if path.is_absolute() else Path.cwd() / path).resolve().relative_to(root.resolve())
+    except ValueError:
+        return None
+    return "/" + rel.as_posix() if rel.parts else None
 
 
 def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | None,
@@ -183,7 +199,7 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
         slices=list(resolved.slices), mesh=mesh, script=script, args=req.args, framework=fw,
         user_env=parse_env(list(req.env)), run_id=run_id, coordinator_port=port,
         group_port=free_port() if emulated else port + 2,  # tpulaunch's own gloo group, apart from MASTER_PORT
-        jax_coordinator_port=(free_port() if emulated else 8477) if fw == "jax" else None,
+        jax_coordinator_port=(free_port() if emulated else port + 1) if fw == "jax" else None,
         emulated=emulated, emulation_env=frameworks.get(fw).emulation_env(resolved.topology, resolved.num_slices),
         emulation_port=free_port() if emulated else None,
         metadata_server=(resolved.source in ("metadata", "ray")), distributed=req.distributed and not req.command,
@@ -226,8 +242,11 @@ def validate(req: LaunchRequest) -> None:
                         ("--preemption-wait", req.preemption_wait), ("--preemption-grace", req.preemption_grace)):
         if not math.isfinite(value) or value < 0:
             raise LaunchError(f"{flag} {value:g} is not a number of 0 or more", "use 0 or more")
-    if req.coordinator_port is not None and not 0 < req.coordinator_port < 65536:
-        raise LaunchError(f"coordinator port {req.coordinator_port} is not a TCP port", "use 1-65535")
+    if not math.isfinite(req.straggler_ratio) or not 0 <= req.straggler_ratio < 1:
+        raise LaunchError(f"--straggler-ratio {req.straggler_ratio:g} is not a fraction below 1",
+                          "e.g. 0.7 (a host below 0.7x the median step rate is named); 0 turns it off")
+    if req.coordinator_port is not None and not 0 < req.coordinator_port <= 65533:
+        raise LaunchError(f"--coordinator-port {req.coordinator_port} is not a TCP port", "use 1-65533")
     if req.command and not any(w.strip() for w in req.command):
         raise LaunchError("the command to run is empty", "write it after --, e.g. tpulaunch exec --topology 2x8 -- hostname")
     if not req.command and not req.script.strip():
@@ -265,13 +284,15 @@ def check_log_dir(log_dir: str) -> Path:
     return path
 
 
-def workdir_runtime_env(workdir: str, max_mb: float) -> dict:
-    """Ray `runtime_env` shipping the user's directory to every host, after a size check."""
+def workdir_runtime_env(workdir: str, max_mb: float, also_exclude: list[str] | None = None) -> dict:
+    """Ray `runtime_env` shipping the user's directory to every host, after a size check.
+    `also_exclude`: `/`-anchored paths inside it (gitignore style, as Ray reads `excludes`)."""
     root = Path(workdir)
     total = 0
     skip = {e for e in WORKDIR_EXCLUDES if "*" not in e}
+    anchored = {root / p.lstrip("/") for p in also_exclude or ()}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in skip]
+        dirnames[:] = [d for d in dirnames if d not in skip and Path(dirpath, d) not in anchored]
         for name in filenames:
             if name.endswith(".pyc"):
                 continue
@@ -284,4 +305,4 @@ def workdir_runtime_env(workdir: str, max_mb: float) -> dict:
             f"the working directory {workdir} is {total / 2**20:.1f} MiB, over the {max_mb:g} MiB limit for shipping to hosts",
             "run from a smaller directory, move data out of it, or raise --max-upload-mb",
         )
-    return {"working_dir": str(root), "excludes": WORKDIR_EXCLUDES}
+    return {"working_dir": str(root), "excludes": [*WORKDIR_EXCLUDES, *(also_exclude or ())]}

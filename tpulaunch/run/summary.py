@@ -87,6 +87,8 @@ class HostResult:
     last_seen: float | None = None  # when the driver last heard from it (driver clock)
     phases: dict = field(default_factory=dict)  # import_s, boot_s, mesh_s (from the host's bootstrap)
     cause: Cause | None = None
+    step: int | None = None  # the last step it reported (`tpulaunch.heartbeat(step=N)`)
+    step_rate: float | None = None  # steps/s from its first reported step to its last, in this attempt
 
     @property
     def failed(self) -> bool:

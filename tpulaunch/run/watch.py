@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tpulaunch.host.protocol import PollReply
 from tpulaunch.run.status import HostPhase, HostView
+from tpulaunch.run.steps import StepRates
 from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome, exit_code_for, exit_reason, first_failure, outcome_of
 
 HEAD_LOST_AFTER = 3  # consecutive refused probes of the Ray head (GCS)
@@ -54,6 +55,7 @@ class StopRules:
     deadline: float | None = None  # --timeout
     stall_timeout_s: float | None = None  # --stall-timeout
     preemption_grace_s: float = 30.0
+    straggler_ratio: float = 0.7  # --straggler-ratio (0: never name a straggler)
 
 
 class AttemptWatch:
@@ -74,6 +76,7 @@ class AttemptWatch:
         self.last_line: dict[int, str] = {}
         self.findings: list[dict] = []  # preflight's, errors and warnings
         self.last_activity: dict[int, float] = {}  # the host's own clock: its last line or heartbeat
+        self.steps = StepRates(len(hosts))
 
     # -- facts ---------------------------------------------------------------------------------
 
@@ -91,6 +94,9 @@ class AttemptWatch:
         self.last_activity[i] = reply.activity
         if reply.lines:
             self.last_line[i] = reply.lines[-1][1]
+        if reply.step is not None:
+            self.steps.record(i, reply.step, now)
+            r.step, r.step_rate = reply.step, self.steps.overall(i)
         r.wall_s = reply.wall_s
         action: Action = None
         if reply.preempted and not r.preempted:
@@ -145,6 +151,21 @@ class AttemptWatch:
                            self._stop(self.pending), dump_stacks=True)
         return None
 
+    def stragglers(self, now: float) -> list[str]:
+        """One line per host that fell behind the others' step rate since the last call (or is back
+        to their pace)."""
+        new, back = self.steps.stragglers(self.rules.straggler_ratio, now, self.pending)
+        lines = []
+        for s in new:
+            p = self.hosts[s.process].process_index
+            last = self.last_line.get(s.process, "")
+            lines.append(f"host {p} is a straggler: {s.rate:.3g} steps/s, {s.rate / s.median:.2f}x the median host's"
+                         f" {s.median:.3g} (at step {self.steps.last(s.process)})"
+                         + (f"; its last line: {last[:120]}" if last else ""))
+        for i in back:
+            lines.append(f"host {self.hosts[i].process_index} is back to the others' pace")
+        return lines
+
     def _stop(self, hosts: set[int]) -> tuple[int, ...]:
         """These hosts are being stopped by tpulaunch (their exit is not their failure)."""
         chosen = tuple(sorted(hosts))
@@ -188,8 +209,8 @@ class AttemptWatch:
             r.reason, r.cause = "not started (preflight)", Cause.NOT_STARTED
         self.pending.clear()
 
-    def view(self) -> tuple[HostView, ...]:
-        """Each host as `tpulaunch status` shows it, now."""
+    def view(self, now: float) -> tuple[HostView, ...]:
+        """Each host as `tpulaunch status` shows it, at `now` (the loop's clock)."""
         out = []
         for i, r in enumerate(self.hosts):
             if i in self.pending:
@@ -201,7 +222,8 @@ class AttemptWatch:
             else:
                 phase = HostPhase.EXITED
             out.append(HostView(r.process_index, r.slice_index, r.worker_id, phase, r.exit_code,
-                                self.last_activity.get(i), self.last_line.get(i, ""), r.reason))
+                                self.last_activity.get(i), self.last_line.get(i, ""), r.reason, r.step,
+                                self.steps.rate(i, now)))
         return tuple(out)
 
     def result(self, log_dir: str, wall_s: float, timings: dict) -> Attempt:

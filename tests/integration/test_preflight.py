@@ -1,0 +1,268 @@
+"""Preflight, `tpulaunch stacks` and stragglers on the shared emulated 2x8 (4 hosts), each finding
+caused for real: a host whose Python sees another package version, a port held by a listener
+that never accepts, a process holding the libtpu lockfile, a host slowed with SIGSTOP/SIGCONT.
+
+The scripts boot no framework (`--framework none`): what is under test is what the launcher
+checks and sees around them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from support import last_summary, run_cli, write_scripts
+from tpulaunch.errors import ExitCode
+from tpulaunch.host.tpu_holders import LOCKFILE
+
+SCRIPTS = {
+    "mark.py": """
+        import os, tpulaunch
+        ctx = tpulaunch.context()
+        open(f"started-{ctx.run_id}-{ctx.process_index}", "w").close()
+        print("ran", ctx.process_index, flush=True)
+    """,
+    "loop.py": """
+        import os, time, tpulaunch
+
+        def train_step(i):
+            time.sleep(0.05)
+            tpulaunch.heartbeat(step=i)
+
+        ctx = tpulaunch.context()
+        print("looping", ctx.process_index, flush=True)
+        end = time.time() + float(os.environ.get("LOOP_S", "600"))
+        i = 0
+        while time.time() < end and not os.path.exists("stop-looping"):
+            i += 1
+            train_step(i)
+        print("steps", i, flush=True)
+    """,
+    # For one host only (process index 1), another copy of a package comes first on sys.path: the
+    # way a stale virtualenv or a leftover PYTHONPATH entry on one VM shadows the one the others use.
+    "shadow/sitecustomize.py": """
+        import os, sys
+        if os.environ.get("TPULAUNCH_PROCESS_INDEX") == "1":
+            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "host1"))
+    """,
+}
+
+
+def _dist(root: Path, name: str, version: str) -> None:
+    """An installed distribution's metadata (what importlib.metadata and pip read)."""
+    d = root / f"{name}-{version}.dist-info"
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    w = tmp_path_factory.mktemp("preflight")
+    (w / "shadow").mkdir()
+    return write_scripts(w, SCRIPTS)
+
+
+def cli(shared_cluster, work, *args, env=None, **kw):
+    return run_cli(*args, env={**shared_cluster["env"], **(env or {})}, cwd=work, **kw)
+
+
+def _run(shared_cluster, work, script, *flags, env=None):
+    return cli(shared_cluster, work, "run", script, "--topology", "2x8", "--address", "auto", "--framework", "none",
+               *flags, env=env)
+
+
+def _version(name: str) -> str:
+    from importlib import metadata
+
+    return metadata.version(name)
+
+
+def test_a_healthy_slice_passes_preflight_and_says_nothing(shared_cluster, work):
+    p = _run(shared_cluster, work, "mark.py", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["attempts"][0]["findings"] == [] and "preflight" not in p.stderr
+    assert doc["attempts"][0]["timings"]["preflight_s"] > 0
+
+
+def test_another_minor_version_on_one_host_stops_the_run_before_any_script(shared_cluster, work, tmp_path):
+    torch = _version("torch")
+    major, minor = torch.split(".")[:2]
+    other = f"{major}.{int(minor) - 1}.0" if int(minor) else f"{major}.{int(minor) + 1}.0"
+    host1 = work / "shadow" / "host1"
+    _dist(host1, "torch", other)
+    try:
+        p = _run(shared_cluster, work, "mark.py", "--env", f"PYTHONPATH={work / 'shadow'}", "--json")
+        assert p.returncode == ExitCode.PREFLIGHT, p.stderr
+        line = f"preflight: host 1 has torch {other}, the others torch {torch}. install the same torch on every host"
+        assert line in p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["outcome"] == "preflight" and doc["exit_code"] == ExitCode.PREFLIGHT
+        (f,) = [f for f in doc["attempts"][0]["findings"] if f["severity"] == "error"]
+        assert f["hosts"] == [1] and f"torch {other}" in f["what"]
+        assert not list(work.glob(f"started-{doc['run_id']}-*")), "no script may start after a failed preflight"
+        assert "Traceback" not in p.stderr
+    finally:
+        shutil.rmtree(host1, ignore_errors=True)
+
+
+def test_a_patch_version_apart_is_a_warning_and_the_run_goes_on(shared_cluster, work):
+    torch = _version("torch")
+    major, minor, patch = (torch.split("+")[0].split(".") + ["0"])[:3]
+    other = f"{major}.{minor}.{int(patch) + 1}"
+    host1 = work / "shadow" / "host1"
+    _dist(host1, "torch", other)
+    try:
+        p = _run(shared_cluster, work, "mark.py", "--env", f"PYTHONPATH={work / 'shadow'}", "--json")
+        assert p.returncode == 0, p.stderr
+        assert f"preflight warning: host 1 has torch {other}, the others torch {torch} (a patch version apart)" in p.stderr
+        doc = json.loads(p.stdout)
+        assert len(list(work.glob(f"started-{doc['run_id']}-*"))) == 4
+    finally:
+        shutil.rmtree(host1, ignore_errors=True)
+
+
+def test_a_port_held_by_a_listener_that_never_accepts(shared_cluster, work):
+    """Process 0's host cannot listen on the coordinator port, and the others' connections time out
+    (the listener's queue is full: the kernel drops their SYNs, as a firewall would)."""
+    lis = socket.socket()
+    lis.bind(("", 0))
+    lis.listen(0)
+    port = lis.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port), timeout=2)  # fills the queue of 1: nobody accepts
+    try:
+        p = _run(shared_cluster, work, "mark.py", "--coordinator-port", str(port), "--json")
+    finally:
+        filler.close()
+        lis.close()
+    assert p.returncode == ExitCode.PREFLIGHT, p.stderr
+    assert (f"preflight: host 0 cannot listen on port {port} (MASTER_PORT): something else holds it."
+            " stop what holds it (`ss -ltnp`), or choose other ports") in p.stderr
+    assert f"preflight: hosts 1,2,3 cannot reach host 0:{port} (MASTER_PORT): timeout." in p.stderr
+    doc = json.loads(p.stdout)
+    assert not list(work.glob(f"started-{doc['run_id']}-*"))
+
+
+def test_a_process_holding_the_libtpu_lockfile(shared_cluster, work):
+    lock = Path("/") / LOCKFILE
+    assert not lock.exists(), f"{lock} exists on this machine: this test will not touch another user's TPU lock"
+    holder = subprocess.Popen(["bash", "-c", f"exec 3>{lock}; exec sleep 300"])
+    try:
+        end = time.monotonic() + 10
+        while not lock.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        p = _run(shared_cluster, work, "mark.py", "--json")
+    finally:
+        holder.kill()
+        holder.wait()
+        lock.unlink(missing_ok=True)
+    assert p.returncode == ExitCode.PREFLIGHT, p.stderr
+    for h in range(4):  # every emulated host shares this machine's /tmp, as a VM's processes would
+        assert f"preflight: host {h}'s TPU is held: pid {holder.pid} (sleep 300)" in p.stderr
+    doc = json.loads(p.stdout)
+    assert not list(work.glob(f"started-{doc['run_id']}-*"))
+
+
+def test_no_preflight_skips_the_checks(shared_cluster, work):
+    host1 = work / "shadow" / "host1"
+    _dist(host1, "torch", "0.1.0")
+    try:
+        p = _run(shared_cluster, work, "mark.py", "--no-preflight", "--env", f"PYTHONPATH={work / 'shadow'}", "--json")
+    finally:
+        shutil.rmtree(host1, ignore_errors=True)
+    assert p.returncode == 0, p.stderr
+    assert "preflight" not in p.stderr and json.loads(p.stdout)["attempts"][0]["findings"] == []
+
+
+def _host_pid(run_id: str, index: int) -> int:
+    """The host process of `index` in run `run_id` (by the identity the agent gave its environment)."""
+    want = {f"TPULAUNCH_RUN_ID={run_id}".encode(), f"TPULAUNCH_PROCESS_INDEX={index}".encode()}
+    found = []
+    for e in os.listdir("/proc"):
+        if not e.isdigit():
+            continue
+        try:
+            env = set(Path(f"/proc/{e}/environ").read_bytes().split(b"\0"))
+            ppid = int(Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if want <= env:
+            found.append((int(e), ppid))
+    pids = {p for p, _ in found}
+    tops = [p for p, pp in found if pp not in pids]
+    assert len(tops) == 1, found
+    return tops[0]
+
+
+def _start_loop(shared_cluster, work, *flags, loop_s: str = "600") -> tuple[subprocess.Popen, str]:
+    (work / "stop-looping").unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tpulaunch", "run", "loop.py", "--topology", "2x8", "--address", "auto",
+                             "--framework", "none", "--env", f"LOOP_S={loop_s}", *flags],
+                            env=shared_cluster["env"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    end = time.monotonic() + 120
+    while sum("looping" in ln for ln in lines) < 4:
+        assert proc.poll() is None and time.monotonic() < end, "".join(lines)
+        time.sleep(0.2)
+    (run_dir,) = [d for d in (work / "runs").iterdir() if (d / "attempt-0").is_dir() and not (d / "summary.json").exists()]
+    proc.lines = lines  # type: ignore[attr-defined]
+    return proc, run_dir.name
+
+
+def test_stacks_of_a_running_run_then_it_goes_on_to_exit_0(shared_cluster, work):
+    proc, run_id = _start_loop(shared_cluster, work)
+    try:
+        p = cli(shared_cluster, work, "stacks", "--json", timeout=120)
+        assert p.returncode == 0, p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["run_id"] == run_id and doc["attempt"] == 0 and doc["hosts"] == [0, 1, 2, 3] and doc["missing"] == []
+        assert "hosts 0,1,2,3: in train_step (loop.py:" in doc["where"] or "hosts 0,1,2,3: in <module> (loop.py:" in doc["where"]
+        dump_dir = Path(doc["dir"])
+        assert dump_dir.parent == work / "runs" / run_id / "attempt-0" and dump_dir.name.startswith("stacks-")
+        for i in range(4):
+            text = (dump_dir / f"host-{i}.txt").read_text()
+            assert "loop.py" in text and "Thread" in text
+        human = cli(shared_cluster, work, "stacks", run_id, timeout=120)
+        assert human.returncode == 0 and human.stdout.startswith(f"run {run_id} attempt 0:\n  hosts 0,1,2,3: in ")
+        assert proc.poll() is None, "stacks must not stop the run"
+    finally:
+        (work / "stop-looping").write_text("")
+    assert proc.wait(timeout=120) == 0, "".join(proc.lines)
+    assert last_summary(work / "runs")["exit_code"] == 0
+
+
+def test_a_host_slowed_by_sigstop_is_named_a_straggler_and_rates_are_kept(shared_cluster, work):
+    proc, run_id = _start_loop(shared_cluster, work, loop_s="12")
+    pid = _host_pid(run_id, 1)
+    try:
+        while proc.poll() is None:  # host 1 runs a fifth of the time
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.4)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.1)
+    except ProcessLookupError:
+        pass  # its script ended
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert proc.wait(timeout=60) == 0, "".join(proc.lines)
+    said = [ln for ln in proc.lines if "straggler" in ln]
+    assert said and said[0].startswith("tpulaunch: host 1 is a straggler: "), "".join(proc.lines)
+    assert not any(f"host {h} is a straggler" in ln for ln in said for h in (0, 2, 3))
+    hosts = last_summary(work / "runs")["hosts"]
+    rates = [h["step_rate"] for h in hosts]
+    assert all(r is not None for r in rates) and rates[1] < 0.7 * min(rates[0], rates[2], rates[3]), rates
+    assert [h["step"] > 0 for h in hosts] == [True] * 4
