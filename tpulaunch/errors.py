@@ -92,6 +92,10 @@ class ApiPermissionError(DiscoveryError):
     """The Cloud TPU API said 403: a missing IAM permission, or the API is not enabled."""
 
 
+class CapacityError(DiscoveryError):
+    """The Cloud TPU API would not create (or delete) a slice: quota, stockout, a bad request, a name taken."""
+
+
 class NodeNotFoundError(DiscoveryError):
     """The named TPU node (or queued resource) does not exist where we looked."""
 

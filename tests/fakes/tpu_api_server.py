@@ -8,6 +8,21 @@ that is not a real path is rejected (and recorded in `rejected`, so tests can as
     with FakeTpuApi(standard_nodes(), standard_queued_resources()) as api:
         env["TPULAUNCH_TPU_API_ENDPOINT"] = api.url
 
+Queued resources are a real write side: `POST .../queuedResources?queuedResourceId=` (validated as
+the service validates: parent, runtime version, acceleratorType xor acceleratorConfig, nodeId xor
+multisliceParams, one tier), `DELETE ...?force=true`, and long-running operations at
+`.../operations/*` whose finished form is exactly what the client's strict parser accepts. States
+move with the clock, as the documented lifecycle goes: WAITING_FOR_RESOURCES (`wait_s`) ->
+PROVISIONING (`provision_s`) -> ACTIVE, when the nodes appear (fresh 10.x IPs, `queuedResource`,
+`multisliceNode`, spot) and are written into the fake gcloud's slices file (`gcloud_slices`) so
+`gcloud ... ssh` reaches them. `set_capacity(stockout=True)` keeps new requests waiting and fails
+them after `stockout_fail_s` (FAILED, the service's code-8 capacity message);
+`set_capacity(quota="...")` refuses creates with 429. `preempt(node)` (or `POST /_fake/preempt`
+{"node": N}, the test-only control endpoint) does what Google Cloud does to a spot slice: the node
+goes PREEMPTED, the fake workers' processes of that node (everything the fake gcloud started for
+it) are killed and their VM disks (/tmp copies) wiped; after `suspend_s` the node is gone and the
+queued resource is SUSPENDED (initiator SERVICE). Nothing comes back by itself.
+
 Modes: "ok"; "forbidden" (403 PERMISSION_DENIED naming the permission, for everything or only
 the permissions in `denied`); "disabled" (403 SERVICE_DISABLED); "slow" (sleeps `slow_seconds`
 before answering, longer than any client timeout in the tests); "trickle" (sends the headers at
@@ -20,7 +35,9 @@ import copy
 import json
 import re
 import threading
+import time
 import zlib
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable
 from urllib.parse import parse_qs, urlsplit
@@ -50,8 +67,23 @@ _ROUTES = [
     ("list_nodes", re.compile(rf"^/v2/projects/{_SEG}/locations/{_SEG}/nodes$"), "tpu.nodes.list"),
     ("get_qr", re.compile(rf"^/v2/projects/{_SEG}/locations/{_SEG}/queuedResources/{_SEG}$"), "tpu.queuedResources.get"),
     ("list_qrs", re.compile(rf"^/v2/projects/{_SEG}/locations/{_SEG}/queuedResources$"), "tpu.queuedResources.list"),
+    ("get_op", re.compile(rf"^/v2/projects/{_SEG}/locations/{_SEG}/operations/{_SEG}$"), "tpu.operations.get"),
 ]
-_STATUS = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 501: "UNIMPLEMENTED"}
+# Write routes: (route, method) -> permission. A path of a read route with another method is refused.
+_WRITES = {("list_qrs", "POST"): ("create_qr", "tpu.queuedResources.create"),
+           ("get_qr", "DELETE"): ("delete_qr", "tpu.queuedResources.delete")}
+_CONFIG_TYPES = {"V2": "v2", "V3": "v3", "V4": "v4", "V5LITE_POD": "v5litepod", "V5P": "v5p", "V6E": "v6e"}
+# Per accelerator family: (accelerator-type number counts cores or chips, cores per chip, chips per host).
+_FAMILY = {"v2": (2, 4), "v3": (2, 4), "v4": (2, 4), "v5p": (2, 4), "v5litepod": (1, 4), "v6e": (1, 4)}
+# Default topologies the service picks for an acceleratorType (the ones the tests ask for).
+_TYPE_TOPOLOGY = {"v4-8": "2x2x1", "v4-16": "2x2x2", "v4-32": "2x2x4", "v5p-8": "2x2x1", "v5p-16": "2x2x2",
+                  "v5litepod-4": "2x2", "v5litepod-8": "2x4", "v5litepod-16": "4x4", "v6e-4": "2x2", "v6e-8": "2x4",
+                  "v6e-16": "4x4", "v2-8": "2x2", "v3-8": "2x2"}
+RUNTIMES = {"tpu-ubuntu2204-base", "tpu-vm-base", "v2-alpha-tpuv5", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e",
+            "tpu-vm-tf-2.16.1-pjrt", "v2-alpha-tpu7-ubuntu2404"}
+STOCKOUT = ('There is no more capacity in the zone "{zone}"; you can try in another zone where Cloud TPU Nodes are'
+            ' offered (see https://cloud.google.com/tpu/docs/regions) [EID: 0x9f48947a7d57c8d]')
+_STATUS = {400: "INVALID_ARGUMENT", 409: "ALREADY_EXISTS", 429: "RESOURCE_EXHAUSTED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 501: "UNIMPLEMENTED"}
 
 
 # -- fixtures ------------------------------------------------------------------------------------
@@ -228,6 +260,12 @@ class FakeTpuApi:
         default_page_size: int | None = None,
         max_page_size: int = 1000,
         int_enums: bool = False,
+        op_delay_s: float = 0.0,
+        wait_s: float = 0.5,
+        provision_s: float = 0.5,
+        suspend_s: float = 1.0,
+        stockout_fail_s: float = 2.0,
+        gcloud_slices: str | None = None,
     ) -> None:
         self.nodes: dict[str, dict] = {n["name"]: n for n in nodes}
         self.queued_resources: dict[str, dict] = {q["name"]: q for q in queued_resources}
@@ -239,6 +277,17 @@ class FakeTpuApi:
         self.int_enums = int_enums
         self.requests: list[dict] = []  # every request: method, path, query, authorization
         self.rejected: list[str] = []  # requests that were not real Cloud TPU API v2 calls
+        self.op_delay_s, self.wait_s, self.provision_s = op_delay_s, wait_s, provision_s
+        self.suspend_s, self.stockout_fail_s = suspend_s, stockout_fail_s
+        self.gcloud_slices = gcloud_slices  # the fake gcloud's FAKE_GCLOUD_SLICES file, kept in step
+        self.stockout = False
+        self.quota: str | None = None  # a quota name: creates are refused with 429
+        self.operations: dict[str, dict] = {}
+        self.events: list[str] = []  # what happened to capacity, in order ("preempt my-slice", ...)
+        self._timeline: dict[str, dict] = {}  # QR name -> when its states change (monotonic times)
+        self._lock = threading.RLock()
+        self._ops = 0
+        self._subnets = 200
         self._stop = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -281,15 +330,22 @@ class FakeTpuApi:
         return [r for r in self.requests if r.get("route") == route]
 
     # -- behaviour
-    def handle(self, method: str, raw_path: str, headers: Any) -> tuple[int, dict]:
+    def handle(self, method: str, raw_path: str, headers: Any, body: bytes = b"") -> tuple[int, dict]:
+        with self._lock:
+            return self._handle(method, raw_path, headers, body)
+
+    def _handle(self, method: str, raw_path: str, headers: Any, body: bytes) -> tuple[int, dict]:
         parts = urlsplit(raw_path)
+        if parts.path.startswith("/_fake/") and method == "POST":
+            return self._control(parts.path, json.loads(body or b"{}"))
+        self._advance()
         query = parse_qs(parts.query, keep_blank_values=True)
         for alt in query.get("$alt", []):  # `$alt=json;enum-encoding=int`
             for item in alt.split(";")[1:]:
                 key, _, value = item.partition("=")
                 query.setdefault(key, []).append(value)
         record = {"method": method, "path": parts.path, "query": query,
-                  "authorization": headers.get("Authorization")}
+                  "authorization": headers.get("Authorization"), "body": json.loads(body) if body else None}
         self.requests.append(record)
         for route, pattern, permission in _ROUTES:
             m = pattern.match(parts.path)
@@ -298,10 +354,12 @@ class FakeTpuApi:
         else:
             self.rejected.append(f"{method} {raw_path}")
             return _error(404, f"fake Cloud TPU API: {parts.path} is not a Cloud TPU API v2 path")
-        record["route"] = route
         if method != "GET":
-            self.rejected.append(f"{method} {raw_path}")
-            return _error(501, f"fake Cloud TPU API: {method} {parts.path} is not implemented")
+            if (route, method) not in _WRITES:
+                self.rejected.append(f"{method} {raw_path}")
+                return _error(501, f"fake Cloud TPU API: {method} {parts.path} is not implemented")
+            route, permission = _WRITES[(route, method)]
+        record["route"] = route
         if self.mode == "slow":
             self._stop.wait(self.slow_seconds)
         project, zone = m.group(1), m.group(2)
@@ -321,6 +379,15 @@ class FakeTpuApi:
             return 200, self._out(node, enc_int)
         if route == "list_nodes":
             return self._list(f"projects/{project}/locations/{zone}", zone, query, enc_int)
+        if route == "create_qr":
+            return self._create_qr(f"projects/{project}/locations/{zone}", query, record["body"] or {})
+        if route == "delete_qr":
+            return self._delete_qr(parts.path.removeprefix("/v2/"), query)
+        if route == "get_op":
+            op = self.operations.get(parts.path.removeprefix("/v2/"))
+            if op is None:
+                return _error(404, f"Resource '{parts.path.removeprefix('/v2/')}' was not found")
+            return 200, self._op_out(op)
         if route == "get_qr":
             name = parts.path.removeprefix("/v2/")
             qr = self.queued_resources.get(name)
@@ -330,6 +397,229 @@ class FakeTpuApi:
         qrs = [self._out_qr(q, enc_int) for n, q in sorted(self.queued_resources.items())
                if n.startswith(f"projects/{project}/locations/{zone}/")]
         return 200, {"queuedResources": qrs} if qrs else {}
+
+    # -- capacity: what tests do to the fake (in process, or through the control endpoint)
+    def preempt(self, node_id: str) -> None:
+        """Google Cloud preempts a spot slice: the node goes PREEMPTED, its VMs stop at once (their
+        processes killed, their disks gone); a queued resource goes SUSPENDING, then SUSPENDED with
+        its nodes deleted. A plain spot node stays PREEMPTED until someone deletes it."""
+        with self._lock:
+            self._advance()
+            name = self._node_name(node_id)
+            node = self.nodes[name]
+            node["state"] = "PREEMPTED"
+            node.pop("health", None)
+            self.events.append(f"preempt {node_id}")
+            kill_workers(name)
+            qr = self.queued_resources.get(node.get("queuedResource") or "")
+            if qr is not None and qr["state"]["state"] == "ACTIVE":
+                qr["state"] = {"state": "SUSPENDING", "stateInitiator": "SERVICE"}
+                self._timeline[qr["name"]] = {"suspended_at": time.monotonic() + self.suspend_s}
+
+    def set_capacity(self, *, stockout: bool | None = None, quota: str | None = "") -> None:
+        """`stockout`: new requests wait and then fail (FAILED, the service's capacity message);
+        turning it off lets the waiting ones through. `quota`: a quota name that refuses creates."""
+        with self._lock:
+            self._advance()
+            if quota != "":
+                self.quota = quota
+            if stockout is not None and stockout != self.stockout:
+                self.stockout = stockout
+                self.events.append(f"stockout {stockout}")
+                for name, qr in self.queued_resources.items():
+                    if qr["state"]["state"] == "WAITING_FOR_RESOURCES":
+                        self._timeline[name] = self._waiting_timeline()
+
+    def _control(self, path: str, doc: dict) -> tuple[int, dict]:
+        if path == "/_fake/preempt":
+            try:
+                self.preempt(doc["node"])
+            except KeyError:
+                return _error(404, f"fake: no node {doc.get('node')!r}")
+            return 200, {}
+        if path == "/_fake/capacity":
+            self.set_capacity(stockout=doc.get("stockout"), quota=doc.get("quota", ""))
+            return 200, {}
+        return _error(404, f"fake: no control endpoint {path}")
+
+    def _node_name(self, node_id: str) -> str:
+        if node_id in self.nodes:
+            return node_id
+        (name,) = [n for n in self.nodes if n.endswith(f"/nodes/{node_id}")] or [None]
+        if name is None:
+            raise KeyError(node_id)
+        return name
+
+    # -- queued resources: the write side
+    def _waiting_timeline(self) -> dict:
+        now = time.monotonic()
+        if self.stockout:
+            return {"fail_at": now + self.stockout_fail_s}
+        return {"provision_at": now + self.wait_s, "active_at": now + self.wait_s + self.provision_s}
+
+    def _create_qr(self, parent: str, query: dict, body: dict) -> tuple[int, dict]:
+        qr_id = (query.get("queuedResourceId") or [""])[0]
+        if not re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", qr_id):
+            return _error(400, f"Invalid queued resource id '{qr_id}'")
+        name = f"{parent}/queuedResources/{qr_id}"
+        if name in self.queued_resources:
+            return _error(409, f"Resource '{name}' already exists")
+        specs = (body.get("tpu") or {}).get("nodeSpec") or []
+        if len(specs) != 1:
+            return _error(400, "Exactly one nodeSpec is supported by this fake" if specs else "tpu.nodeSpec is required")
+        spec, node = specs[0], specs[0].get("node") or {}
+        if spec.get("parent") != parent:
+            return _error(400, f"nodeSpec.parent must be '{parent}', got '{spec.get('parent')}'")
+        if ("nodeId" in spec) == ("multisliceParams" in spec):
+            return _error(400, "Exactly one of nodeSpec.nodeId and nodeSpec.multisliceParams must be set")
+        count = int((spec.get("multisliceParams") or {}).get("nodeCount") or 1)
+        if "multisliceParams" in spec and count < 2:
+            return _error(400, "multisliceParams.nodeCount must be greater than 1")
+        if sum(k in body for k in ("spot", "guaranteed")) > 1:
+            return _error(400, "At most one of spot and guaranteed may be set")
+        if node.get("runtimeVersion") not in RUNTIMES:
+            return _error(400, f"Invalid runtime version '{node.get('runtimeVersion')}'; see"
+                          " https://cloud.google.com/tpu/docs/runtimes")
+        if ("acceleratorType" in node) == ("acceleratorConfig" in node):
+            return _error(400, "Exactly one of node.acceleratorType and node.acceleratorConfig must be set")
+        shape = _shape(node)
+        if shape is None:
+            return _error(400, f"Accelerator type {node.get('acceleratorType') or node.get('acceleratorConfig')}"
+                          f" is not available in {parent.rsplit('/', 1)[1]}")
+        ids = [spec["nodeId"]] if count == 1 else [
+            f"{spec['multisliceParams'].get('nodeIdPrefix') or qr_id}-{i}" for i in range(count)]
+        taken = [i for i in ids if f"{parent}/nodes/{i}" in self.nodes]
+        if taken:
+            return _error(409, f"Resource '{parent}/nodes/{taken[0]}' already exists")
+        if self.quota:
+            region = parent.rsplit("/", 1)[1].rsplit("-", 1)[0]
+            return _error(429, f"Quota limit '{self.quota}' has been exceeded. Limit: 0 in region {region}.")
+        qr = {"name": name, "createTime": _now_rfc3339(), "tpu": {"nodeSpec": [copy.deepcopy(spec)]},
+              **{k: copy.deepcopy(body[k]) for k in ("spot", "guaranteed", "reservationName", "queueingPolicy")
+                 if k in body},
+              "state": {"state": "WAITING_FOR_RESOURCES"}}
+        self.queued_resources[name] = qr
+        self._timeline[name] = self._waiting_timeline()
+        self.events.append(f"create {qr_id}")
+        return 200, self._op_out(self._new_op(parent, "create", name, ("qr", name)))
+
+    def _delete_qr(self, name: str, query: dict) -> tuple[int, dict]:
+        qr = self.queued_resources.get(name)
+        if qr is None:
+            return _error(404, f"Resource '{name}' was not found")
+        nodes = self._qr_nodes(name)
+        force = (query.get("force") or ["false"])[0] == "true"
+        if not force and nodes and qr["state"]["state"] not in ("ACCEPTED", "FAILED", "SUSPENDED"):
+            return 400, {"error": {"code": 400, "status": "FAILED_PRECONDITION", "message":
+                                   f"Queued resource '{name}' has nodes; delete them first or use force"}}
+        for n in nodes:
+            kill_workers(n)
+            self._drop_node(n)
+        qr["state"] = {"state": "DELETING"}
+        self._timeline[name] = {"gone_at": time.monotonic() + self.op_delay_s}
+        self.events.append(f"delete {name.rsplit('/', 1)[1]}")
+        return 200, self._op_out(self._new_op(name.split("/queuedResources/")[0], "delete", name, ("empty",)))
+
+    def _new_op(self, parent: str, verb: str, target: str, result: tuple) -> dict:
+        self._ops += 1
+        op = {"name": f"{parent}/operations/operation-{int(time.time() * 1000)}-{self._ops:04d}",
+              "metadata": {"@type": "type.googleapis.com/google.cloud.tpu.v2.OperationMetadata",
+                           "createTime": _now_rfc3339(), "target": target, "verb": verb, "apiVersion": "v2"},
+              "done_at": time.monotonic() + self.op_delay_s, "result": result}
+        self.operations[op["name"]] = op
+        return op
+
+    def _op_out(self, op: dict) -> dict:
+        """The operation as the service returns it: only fields the client's strict parser knows."""
+        out = {"name": op["name"], "metadata": dict(op["metadata"]), "done": time.monotonic() >= op["done_at"]}
+        if not out["done"]:
+            return out
+        out["metadata"].setdefault("endTime", _now_rfc3339())
+        if "response" not in op:
+            if op["result"][0] == "empty":
+                op["response"] = {"@type": "type.googleapis.com/google.protobuf.Empty"}
+            else:
+                qr = self.queued_resources.get(op["result"][1]) or {}
+                known = {k: copy.deepcopy(v) for k, v in qr.items()
+                         if k in ("name", "createTime", "tpu", "spot", "guaranteed", "reservationName", "queueingPolicy")}
+                state = qr.get("state") or {}
+                known["state"] = {k: v for k, v in state.items() if k in ("state", "stateInitiator", "failedData")}
+                op["response"] = {"@type": "type.googleapis.com/google.cloud.tpu.v2.QueuedResource", **known}
+        out["response"] = op["response"]
+        return out
+
+    def _advance(self) -> None:
+        """Move every queued resource along its timeline (called on every request)."""
+        now = time.monotonic()
+        for name, when in list(self._timeline.items()):
+            qr = self.queued_resources.get(name)
+            if qr is None:
+                del self._timeline[name]
+                continue
+            state = qr["state"]["state"]
+            if state == "WAITING_FOR_RESOURCES" and now >= when.get("fail_at", float("inf")):
+                zone = name.split("/")[3]
+                qr["state"] = {"state": "FAILED", "failedData": {"error": {
+                    "code": 8, "message": STOCKOUT.format(zone=zone)}}}
+                del self._timeline[name]
+            elif state == "WAITING_FOR_RESOURCES" and now >= when.get("provision_at", float("inf")):
+                qr["state"] = {"state": "PROVISIONING"}
+                state = "PROVISIONING"
+            if state == "PROVISIONING" and now >= when.get("active_at", float("inf")):
+                self._make_nodes(qr)
+                qr["state"] = {"state": "ACTIVE"}
+                del self._timeline[name]
+            elif state == "SUSPENDING" and now >= when.get("suspended_at", float("inf")):
+                for n in self._qr_nodes(name):
+                    kill_workers(n)
+                    self._drop_node(n)
+                qr["state"] = {"state": "SUSPENDED", "stateInitiator": "SERVICE"}
+                del self._timeline[name]
+            elif state == "DELETING" and now >= when.get("gone_at", float("inf")):
+                del self.queued_resources[name]
+                del self._timeline[name]
+
+    def _qr_nodes(self, qr_name: str) -> list[str]:
+        return sorted(n for n, node in self.nodes.items() if node.get("queuedResource") == qr_name)
+
+    def _make_nodes(self, qr: dict) -> None:
+        spec = qr["tpu"]["nodeSpec"][0]
+        parent, node = spec["parent"], spec["node"]
+        project, zone = parent.split("/")[1], parent.split("/")[3]
+        acc, family, topo, hosts, chips_per_host = _shape(node)
+        ms = spec.get("multisliceParams")
+        ids = [spec["nodeId"]] if not ms else [f"{ms.get('nodeIdPrefix') or qr['name'].rsplit('/', 1)[1]}-{i}"
+                                               for i in range(int(ms["nodeCount"]))]
+        type_name = {v: k for k, v in _CONFIG_TYPES.items()}[family]
+        for node_id in ids:
+            self._subnets += 1
+            ips = [f"10.{150 + self._subnets // 250}.{self._subnets % 250}.{i + 2}" for i in range(hosts)]
+            made = make_node(zone, node_id, project=project, accelerator_type=acc,
+                             accelerator_config={"type": type_name, "topology": topo}, ips=ips,
+                             runtime_version=node["runtimeVersion"], spot="spot" in qr,
+                             queued_resource=qr["name"], multislice_node=bool(ms))
+            self.nodes[made["name"]] = made
+            self._write_slice(f"{project}/{zone}/{node_id}", {"accelerator_type": acc, "topology": topo,
+                                                              "chips_per_host": chips_per_host, "worker_ips": ips})
+
+    def _drop_node(self, name: str) -> None:
+        self.nodes.pop(name, None)
+        _, project, _, zone, _, node_id = name.split("/")
+        self._write_slice(f"{project}/{zone}/{node_id}", None)
+
+    def _write_slice(self, key: str, entry: dict | None) -> None:
+        """Keep the fake gcloud's view of which VMs exist in step with the API's."""
+        if not self.gcloud_slices:
+            return
+        path = Path(self.gcloud_slices)
+        doc = json.loads(path.read_text()) if path.exists() else {}
+        if entry is None:
+            doc.pop(key, None)
+        else:
+            doc[key] = entry
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(path)
 
     def _list(self, parent: str, zone: str, query: dict, enc_int: bool) -> tuple[int, dict]:
         if zone == "-":
@@ -370,6 +660,77 @@ class FakeTpuApi:
         return qr
 
 
+def _shape(node: dict) -> tuple[str, str, str, int, int] | None:
+    """(acceleratorType, family, topology, hosts, chips per host) of a node spec, or None if the
+    service would not know it."""
+    if "acceleratorConfig" in node:
+        cfg = node["acceleratorConfig"]
+        t = cfg.get("type")
+        t = {v: k for k, v in _TYPE.items()}.get(t, t) if isinstance(t, int) else t
+        family, topo = _CONFIG_TYPES.get(t or ""), cfg.get("topology") or ""
+        if family is None or not re.fullmatch(r"\d+(x\d+){1,2}", topo):
+            return None
+        chips = 1
+        for d in topo.split("x"):
+            chips *= int(d)
+        acc = f"{family}-{chips * _FAMILY[family][0]}"
+    else:
+        acc = node.get("acceleratorType") or ""
+        family, _, n = acc.partition("-")
+        topo = _TYPE_TOPOLOGY.get(acc)
+        if family not in _FAMILY or topo is None:
+            return None
+        chips = int(n) // _FAMILY[family][0]
+    per_host = chips if family in ("v5litepod", "v6e") and chips <= 8 else min(chips, _FAMILY[family][1])
+    return acc, family, topo, chips // per_host, per_host
+
+
+def kill_workers(node_name: str) -> list[int]:
+    """SIGKILL every process the fake gcloud started on a VM of `node_name` (they carry
+    FAKE_GCLOUD_VM=project/zone/node/worker), then wipe those VMs' disks (their /tmp copies): what
+    a preempted or deleted VM leaves behind is nothing."""
+    import glob
+    import os
+    import shutil
+    import signal
+    import zlib as _z
+
+    _, project, _, zone, _, node_id = node_name.split("/")
+    mark = f"FAKE_GCLOUD_VM={project}/{zone}/{node_id}/".encode()
+    killed = []
+    for e in os.listdir("/proc"):
+        if not e.isdigit() or int(e) == os.getpid():
+            continue
+        try:
+            env = Path(f"/proc/{e}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(mark) for v in env):
+            try:
+                os.kill(int(e), signal.SIGKILL)
+                killed.append(int(e))
+            except OSError:
+                pass
+    end = time.monotonic() + 10
+    while killed and time.monotonic() < end and any(_alive(p) for p in killed):
+        time.sleep(0.05)
+    tag = f"-vm{_z.crc32(node_id.encode()) & 0xFFFF:04x}-"
+    for d in glob.glob(f"/tmp/*{tag}*"):
+        shutil.rmtree(d, ignore_errors=True)
+    return killed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def _now_rfc3339() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+
+
 def _to_int(doc: dict, key: str, table: dict[str, int]) -> None:
     if isinstance(doc.get(key), str) and doc[key] in table:
         doc[key] = table[doc[key]]
@@ -392,9 +753,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
-        code, doc = self.api.handle(self.command, self.path, self.headers)
+        body = self.rfile.read(length) if length else b""
+        code, doc = self.api.handle(self.command, self.path, self.headers, body)
         body = json.dumps(doc).encode()
         try:
             self.send_response(code)

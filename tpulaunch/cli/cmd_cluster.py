@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -51,6 +52,11 @@ def up(
     head_ip: Optional[str] = typer.Option(None, "--head-ip",
                                           help="--head local: the address the TPU workers reach this machine at"
                                                " (default: this machine's address on the route to worker 0)."),
+    setup: Optional[str] = typer.Option(None, "--setup", metavar="CMD",
+                                        help="--tpu: a shell command every worker runs before it joins (e.g. 'pip install"
+                                             " -r requirements.txt'); again on re-created VMs."),
+    setup_script: Optional[Path] = typer.Option(None, "--setup-script", metavar="FILE",
+                                                help="--tpu: like --setup, a script file read here."),
     json_out: bool = opt.JSON,
 ) -> None:
     """Start a Ray cluster and leave it running: emulated on this machine, or on a real slice (--tpu).
@@ -59,11 +65,14 @@ def up(
     With --tpu, hosts already in the cluster are left alone, so running it again is safe.
     """
     out = Output(json_mode=json_out)
+    script = remote.setup_text(setup, setup_script)
     if tpu:
         remote.up_remote(out, tpu, zone, project, port=port, python=remote_python, temp_dir=ray_temp_dir,
                          dashboard=dashboard, topology=topology, accelerator=accelerator, json_out=json_out,
-                         head=head, head_ip=head_ip)
+                         head=head, head_ip=head_ip, setup=script)
         return
+    if script:
+        raise LaunchError("--setup and --setup-script are for TPU VMs (--tpu)", "emulated hosts share this machine")
     if prewarm not in frameworks.names():
         raise LaunchError(f"--prewarm {prewarm} is not a framework", f"choose one of {', '.join(frameworks.names())}")
     rec = load_record()

@@ -47,9 +47,24 @@ class HostProgress:
                 self.out.info(f"{'head' if worker == HEAD else f'worker {worker}'}: {state}")
 
 
+def setup_text(command: str | None, script: Path | None) -> str | None:
+    """--setup CMD or --setup-script FILE (read here, sent to every worker's `bash -s`)."""
+    if command is not None and script is not None:
+        raise TpulaunchError("--setup and --setup-script both given", "give the command, or a file with it")
+    if script is not None:
+        try:
+            text = script.read_text()
+        except OSError as e:
+            raise TpulaunchError(f"--setup-script {script} cannot be read: {e.strerror}", "give a readable file") from None
+        return text
+    if command is not None and not command.strip():
+        raise TpulaunchError("--setup is empty", "give a command, e.g. --setup 'pip install -r requirements.txt'")
+    return command
+
+
 def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, port: int, python: str,
               temp_dir: str | None, dashboard: bool, topology: str | None, accelerator: str | None,
-              json_out: bool, head: str = "worker-0", head_ip: str | None = None) -> None:
+              json_out: bool, head: str = "worker-0", head_ip: str | None = None, setup: str | None = None) -> None:
     from tpulaunch import discover
     from tpulaunch.cluster import ownership
     from tpulaunch.cluster.ports import free_port
@@ -76,7 +91,8 @@ def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, p
         else:
             ip = head_ip or route_ip(spec.workers[0].ip)
             local = LocalHead(ip=ip, temp_dir="", dashboard_port=free_port(), python=sys.executable)
-    rs = RemoteSlice(spec, port=port, temp_dir=temp_dir, python=python, dashboard=dashboard, head=local)
+    rs = RemoteSlice(spec, port=port, temp_dir=temp_dir, python=python, dashboard=dashboard, head=local,
+                     setup=setup if setup is not None else (rec.remote.get("setup") if rec and rec.remote else None))
     if local is not None and not local.temp_dir:
         from dataclasses import replace
 
@@ -85,8 +101,11 @@ def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, p
         _path, token, _created = ensure_token(rs.key)
         rs.head = replace(local, temp_dir=ownership.make_temp_dir(cluster_id_of(token)))
     n = len(spec.workers)
+    # the same TPU with other addresses: its VMs were re-created (after a preemption) since the record
+    replaced = bool(rec and rec.remote and rec.remote["tpu"] == spec.name and rec.slices
+                    and [w["ip"] for w in rec.slices[0].get("workers", [])] != [w.ip for w in spec.workers])
     with out.status(f"bringing up Ray on {n} host(s) of {spec.name} ...") as st:
-        info = rs.up(progress=HostProgress(out, st, n))
+        info = rs.up(progress=HostProgress(out, st, n), replaced=replaced)
     save_record(info)
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,

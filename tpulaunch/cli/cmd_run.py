@@ -170,6 +170,10 @@ def run_cmd(
     stall_timeout: Optional[float] = opt.STALL_TIMEOUT,
     max_restarts: int = opt.MAX_RESTARTS,
     max_preemptions: int = opt.MAX_PREEMPTIONS,
+    recreate: bool = typer.Option(False, "--recreate",
+                                  help="With --max-preemptions on a `cluster up --tpu NAME --head local` cluster: a"
+                                       " preempted slice is deleted, created again from its queued resource, set up"
+                                       " and joined, then the run goes on (within --preemption-wait)."),
     preemption_wait: float = opt.PREEMPTION_WAIT,
     preemption_grace: float = opt.PREEMPTION_GRACE,
     compile_cache: Optional[str] = typer.Option(
@@ -206,6 +210,7 @@ def run_cmd(
         distributed=not no_dist, log_dir=log_dir, workdir=workdir, schedule_timeout=schedule_timeout,
         max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout, max_restarts=max_restarts,
         max_preemptions=max_preemptions, preemption_wait=preemption_wait, preemption_grace=preemption_grace,
+        recreate=recreate,
         keep_cluster=keep_cluster, idle_timeout=idle_timeout, compile_cache=compile_cache,
         no_compile_cache=no_compile_cache,
     )
@@ -219,6 +224,16 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     target = run.find_cluster(req)
     remote = target.cluster is not None and not run.is_local(target.cluster)
     on_slice = target.cluster is not None and (target.cluster.remote or {}).get("head") == "worker-0"
+    if req.recreate:  # refused here, before anything is submitted or started
+        from tpulaunch.run import recreate
+
+        why = recreate.refusal(target.cluster, target.cluster is None or target.cluster.emulated)
+        if why:
+            raise LaunchError(why, "")
+        if not req.max_preemptions:
+            raise LaunchError("--recreate without --max-preemptions: no preemption would be survived",
+                              "add --max-preemptions N (each re-creation counts as one)")
+        recreate.check_recreatable(target.cluster)
     if on_slice and req.max_preemptions and target.cluster is not None:
         out.warn(f"the Ray head runs on worker 0 of TPU '{target.cluster.remote['tpu']}': a preemption of that worker"
                  " ends the run whatever --max-preemptions allows; `tpulaunch cluster up --tpu NAME --head local`"

@@ -284,9 +284,22 @@ def list_cmd(
         d["generation"] = discover.generation_of(s)
         d["ready"] = not discover.readiness_problems(s)
         rows.append(d)
+    qrs: list[dict] = []
+    if z and z != "-":
+        from tpulaunch.discover import capacity
+
+        try:
+            qrs = [{"name": q.name.rsplit("/", 1)[-1], "state": q.state, "initiator": q.initiator, "error": q.error}
+                   for q in capacity.list_states(p, z, timeout=timeout)]
+        except TpulaunchError as e:  # nodes listed; the queued resources could not be: say so, go on
+            out.warn(f"queued resources not listed: {e.message}")
     if json_out:
-        out.json({"schema": "tpulaunch.slice-list/v1", "project": p, "zone": z, "provenance": prov, "nodes": rows})
+        out.json({"schema": "tpulaunch.slice-list/v1", "project": p, "zone": z, "provenance": prov, "nodes": rows,
+                  "queued_resources": qrs})
         return
+    for q in qrs:
+        why = f" ({q['initiator'].lower()})" if q["initiator"] and q["state"].startswith("SUSPEND") else ""
+        out.info(f"queued resource {q['name']}: {q['state']}{why}" + (f": {q['error']}" if q["error"] else ""))
     if not rows:
         out.info(f"no TPU nodes in zone {z} of project {p}")
         return
@@ -318,3 +331,96 @@ def _cell(d: dict, col: str) -> str:
         return "spot" if d["spot"] else ("preemptible" if d["preemptible"] else "-")
     value = d.get(col)
     return str(value) if value not in (None, "") else "-"
+
+
+# -- create / delete -------------------------------------------------------------------------------
+
+
+@slice_app.command("create")
+def create_cmd(
+    name: str = typer.Argument(..., help="The slice's name: its queued resource and node (nodes NAME-0.. with --num-slices)."),
+    accelerator: Optional[str] = typer.Option(None, "--accelerator", help="v5p-64, or a generation with --topology (v5p)."),
+    topology: Optional[str] = typer.Option(None, "--topology", help="Chip shape, e.g. 4x4x4 (with --accelerator GEN)."),
+    num_slices: int = typer.Option(1, "--num-slices", help="Slices of a multislice (one queued resource, nodes NAME-i)."),
+    spot: bool = typer.Option(False, "--spot", help="Spot capacity: cheaper, preemptible at any time."),
+    reserved: bool = typer.Option(False, "--reserved", help="From the project's reservation."),
+    guaranteed: bool = typer.Option(False, "--guaranteed", help="Guaranteed (on-demand) capacity through the queue."),
+    flex_start: bool = typer.Option(False, "--flex-start", help="Flex-start (Preview; see --max-run-duration)."),
+    max_run_duration: Optional[str] = typer.Option(None, "--max-run-duration", help="With --flex-start, e.g. 24h."),
+    runtime_version: Optional[str] = typer.Option(None, "--runtime-version",
+                                                  help="TPU VM software version (default: the one Google documents for the generation)."),
+    network: Optional[str] = typer.Option(None, "--network"),
+    subnetwork: Optional[str] = typer.Option(None, "--subnetwork"),
+    zone: Optional[str] = opt.ZONE,
+    project: Optional[str] = opt.PROJECT,
+    wait: bool = typer.Option(False, "--wait", help="Follow its state until ACTIVE (bounded by --wait-timeout)."),
+    wait_timeout: float = typer.Option(3600.0, "--wait-timeout", metavar="S", help="How long --wait waits (s)."),
+    json_out: bool = opt.JSON,
+    timeout: Optional[float] = TIMEOUT_OPT,
+) -> None:
+    """Create a slice as a queued resource (Cloud TPU API v2); `--wait` until it is ACTIVE.
+
+    Examples: `tpulaunch slice create my-v5p --accelerator v5p-64 --spot --wait`,
+    `tpulaunch slice create ms --topology 2x2x2 --accelerator v4 --num-slices 2 --zone us-central2-b`.
+    """
+    from tpulaunch.discover import capacity
+
+    out = Output(json_mode=json_out)
+    tiers = [t for t, on in (("spot", spot), ("reserved", reserved), ("guaranteed", guaranteed), ("flex-start", flex_start))
+             if on]
+    if len(tiers) > 1:
+        raise TpulaunchError(f"--{' and --'.join(tiers)}: a slice has one tier", "choose one")
+    if flex_start or max_run_duration:
+        raise TpulaunchError(
+            "--flex-start cannot be requested through the Cloud TPU API v2 that tpulaunch uses: flex-start"
+            " (provisioningModel, maxRunDuration) exists only in the v2alpha1 API, which google-cloud-tpu does not"
+            " expose", "create it with `gcloud alpha compute tpus queued-resources create ... --provisioning-model"
+            "=flex-start --max-run-duration D`, then use it with `tpulaunch cluster up --tpu NAME`")
+    if not accelerator:
+        raise TpulaunchError("no accelerator given", "--accelerator v5p-64, or --accelerator v5p --topology 4x4x4")
+    p, z, _prov = discover.require_project_zone(project, zone, f"slice {name}")
+    order = capacity.check_order(capacity.SliceOrder(
+        name=name, project=p, zone=z, accelerator_type=accelerator, topology=topology, num_slices=num_slices,
+        tier=tiers[0] if tiers else "on-demand", runtime_version=runtime_version, network=network, subnetwork=subnetwork))
+    with out.status(f"asking the Cloud TPU API for {order.accelerator_type} x {order.num_slices} ({order.tier}) ..."):
+        st = capacity.create(order, timeout=timeout)
+    out.info(f"queued resource {name} accepted ({st.state}) in {z}: node(s) {', '.join(order.node_names())}")
+    if wait:
+        with out.status(f"waiting for {name} to be ACTIVE ...") as status:
+            def say(msg: str) -> None:
+                status.update(msg) if status is not None else out.info(msg)
+
+            st = capacity.wait_active(p, z, name, wait_timeout, say)
+    doc = {"schema": "tpulaunch.slice-created/v1", "name": name, "project": p, "zone": z, "state": st.state,
+           "nodes": order.node_names(), "order": order.to_dict(), "request": capacity.queued_resource_body(order)}
+    if json_out:
+        out.json(doc)
+    else:
+        out.line(f"{name}: {st.state}" + ("" if st.state == "ACTIVE" else
+                                          f" (follow it: tpulaunch slice list --zone {z}; or create with --wait)"))
+
+
+@slice_app.command("delete")
+def delete_cmd(
+    name: str = typer.Argument(..., help="The queued resource (what `slice create` made)."),
+    zone: Optional[str] = opt.ZONE,
+    project: Optional[str] = opt.PROJECT,
+    json_out: bool = opt.JSON,
+    timeout: Optional[float] = TIMEOUT_OPT,
+) -> None:
+    """Delete a queued resource and its nodes (waits for the deletion to finish)."""
+    from tpulaunch.discover import capacity
+
+    out = Output(json_mode=json_out)
+    p, z, _prov = discover.require_project_zone(project, zone, f"queued resource {name}")
+    with out.status(f"deleting queued resource {name} and its nodes ..."):
+        found = capacity.delete(p, z, name, timeout=timeout if timeout is not None else 120.0)
+    if not found:
+        from tpulaunch.errors import NodeNotFoundError
+
+        raise NodeNotFoundError(f"queued resource '{name}' not found in zone {z} of project {p}",
+                                "`tpulaunch slice list` shows the queued resources there")
+    if json_out:
+        out.json({"schema": "tpulaunch.slice-deleted/v1", "name": name, "project": p, "zone": z})
+    else:
+        out.line(f"{name}: deleted")

@@ -264,7 +264,7 @@ class RemoteSlice:
 
     def __init__(self, spec: SliceSpec, *, port: int = DEFAULT_PORT, temp_dir: str | None = None,
                  python: str = DEFAULT_PYTHON, dashboard: bool = False, cluster_id: str | None = None,
-                 head: LocalHead | None = None) -> None:
+                 head: LocalHead | None = None, setup: str | None = None) -> None:
         if not spec.workers:
             raise ClusterError(f"TPU '{spec.name}' lists no worker endpoints", "is it READY? `tpulaunch slice describe`")
         if not spec.zone or not spec.project:
@@ -277,6 +277,8 @@ class RemoteSlice:
         self.dashboard = dashboard
         self.cluster_id = cluster_id  # known once the token is (up), or from the record (down)
         self.head = head  # the head off the slice, on this machine (None: on worker 0)
+        self.setup = setup  # a shell script every worker runs before it joins (a fresh VM's installs)
+        self.setup_logs: dict[int, str] = {}  # worker -> where its setup's output was saved
 
     @classmethod
     def from_record(cls, info: ClusterInfo) -> "RemoteSlice":
@@ -286,7 +288,7 @@ class RemoteSlice:
             head = LocalHead(ip=r["head_ip"], temp_dir=info.temp_dir or "", dashboard_port=int(r["dashboard_port"]),
                              python=r.get("head_python") or sys.executable)
         return cls(SliceSpec.from_dict(info.slices[0]), port=r["port"], temp_dir=r["temp_dir"], python=r["python"],
-                   cluster_id=info.cluster_id, head=head)
+                   cluster_id=info.cluster_id, head=head, setup=r.get("setup"))
 
     @property
     def head_ip(self) -> str:
@@ -350,6 +352,21 @@ class RemoteSlice:
             raise ClusterError(f"the Ray head did not start here (exit {proc.returncode}): {_tail(proc)}",
                                f"Ray's logs are under {head.temp_dir}")
 
+    def _setup(self, worker: int) -> None:
+        """Run the setup script on one worker (fed to `bash -s`, so no quoting can break it); its
+        output is kept here, one file per worker; a failure names the worker and its last lines."""
+        if not self.setup:
+            return
+        proc = self.ssh(worker, "bash -s", stdin="set -e\n" + self.setup)
+        logs = state_dir() / "setup"
+        logs.mkdir(parents=True, exist_ok=True)
+        path = logs / f"{self.spec.name}-worker-{worker}.log"
+        path.write_text(proc.stdout + proc.stderr)
+        self.setup_logs[worker] = str(path)
+        if proc.returncode != 0:
+            raise ClusterError(f"the setup failed on worker {worker} (exit {proc.returncode}): {_tail(proc)}",
+                               f"its whole output is in {path}")
+
     def _start(self, worker: int, token: str, head: bool) -> None:
         words = ray_start_words(python=self.python, node_ip=self.spec.workers[worker].ip, temp_dir=self.temp_dir,
                                 port=self.port, head=head, head_ip=self.head_ip, dashboard=self.dashboard)
@@ -358,14 +375,27 @@ class RemoteSlice:
             raise ClusterError(f"ray start failed on worker {worker} (exit {proc.returncode}): {_tail(proc)}",
                                f"Ray's logs are under {self.temp_dir} on that worker")
 
-    def up(self, progress: Progress | None = None) -> ClusterInfo:
-        """Head on worker 0, every other worker joined; workers already in the cluster are left alone."""
+    def up(self, progress: Progress | None = None, replaced: bool = False, replaced_wait_s: float = 120.0) -> ClusterInfo:
+        """Head on worker 0, every other worker joined; workers already in the cluster are left alone.
+
+        `replaced`: the slice's VMs are new (re-created after a preemption). Ray still counts the old
+        VMs' nodes as alive until its health checks fail (about 15 s by default), and a new VM must
+        not be taken for one of them: wait (bounded) until Ray has let go of them first."""
         say = progress or (lambda _w, _s: None)
         n = len(self.spec.workers)
         token_path, token, created = ensure_token(self.key)
         self.cluster_id = cluster_id_of(token)
         say(0, "checking")
         doc = self.query()
+        if replaced and doc["head"] and self.alive_workers(doc):
+            end = time.monotonic() + replaced_wait_s
+            say(0, "waiting for Ray to let go of the old VMs' nodes")
+            while self.alive_workers(doc):
+                if time.monotonic() > end:
+                    raise ClusterError(f"Ray still counts the old VMs of '{self.spec.name}' as alive after"
+                                       f" {replaced_wait_s:.0f} s", "check the head (`tpulaunch cluster status`)")
+                time.sleep(1.0)
+                doc = self.query()
         if doc["head"]:
             if created:
                 token_path.unlink(missing_ok=True)
@@ -380,6 +410,9 @@ class RemoteSlice:
             say(HEAD, "up")
             alive = set()
         else:
+            if self.setup:
+                say(0, "setting up")
+                self._setup(0)
             say(0, "starting head")
             self._start(0, token, head=True)
             say(0, "head up")
@@ -388,8 +421,11 @@ class RemoteSlice:
         errors: dict[int, str] = {}
 
         def join(w: int) -> None:
-            say(w, "joining")
             try:
+                if self.setup:
+                    say(w, "setting up")
+                    self._setup(w)
+                say(w, "joining")
                 self._start(w, token, head=False)
             except ClusterError as e:
                 errors[w] = e.message
@@ -404,7 +440,7 @@ class RemoteSlice:
             raise ClusterError("; ".join(f"worker {w}: {m}" for w, m in sorted(errors.items())),
                                "fix that and run `tpulaunch cluster up` again (hosts already up are left alone)")
         remote = {"tpu": self.spec.name, "zone": self.spec.zone, "project": self.spec.project, "port": self.port,
-                  "temp_dir": self.temp_dir, "python": self.python, "head": "worker-0"}
+                  "temp_dir": self.temp_dir, "python": self.python, "head": "worker-0", "setup": self.setup}
         if self.head is not None:
             remote.update(head="local", head_ip=self.head.ip, dashboard_port=self.head.dashboard_port,
                           head_python=self.head.python)
@@ -426,7 +462,10 @@ class RemoteSlice:
             say(w, "stopping")
             proc = self.ssh(w, stop_command(self.python, self.temp_dir, self.cluster_id))
             doc = _marked_json(proc.stdout)
-            if proc.returncode != 0 or doc is None:
+            if proc.returncode != 0 and "NOT_FOUND" in proc.stderr:  # the VM itself is gone (preempted, deleted)
+                results[w] = {"stopped": 0, "left": [], "gone": True}
+                say(w, "the VM is gone: nothing to stop")
+            elif proc.returncode != 0 or doc is None:
                 results[w] = {"error": f"exit {proc.returncode}: {_tail(proc)}"}
                 say(w, "FAILED")
             else:

@@ -16,6 +16,7 @@ from tpulaunch.discover.describe import (
     local_host,
     local_slice,
     readiness_problems,
+    require_project_zone,
     resolve_project_zone,
 )
 from tpulaunch.discover.resolve import (
@@ -41,6 +42,7 @@ __all__ = [
     "local_host",
     "local_slice",
     "readiness_problems",
+    "require_project_zone",
     "request_num_slices",
     "resolve",
     "resolve_project_zone",

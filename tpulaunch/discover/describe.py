@@ -60,7 +60,7 @@ def resolve_project_zone(
     return p, z, prov
 
 
-def _require_project_zone(
+def require_project_zone(
     project: str | None, zone: str | None, what: str
 ) -> tuple[str, str, dict[str, str]]:
     p, z, prov = resolve_project_zone(project, zone)
@@ -95,7 +95,7 @@ def describe_node(
     for flag, given, in_path in (("--project", project, p_path), ("--zone", zone, z_path)):
         if given and in_path and given != in_path:
             raise TpulaunchError(f"{flag} {given} contradicts the node path {name}", f"drop {flag}")
-    p, z, prov = _require_project_zone(project or p_path, zone or z_path, f"TPU node '{node}'")
+    p, z, prov = require_project_zone(project or p_path, zone or z_path, f"TPU node '{node}'")
     if p_path:
         prov.update(project="node path", zone="node path")
     return tpu_api.get_node_spec(p, z, node, timeout=timeout, endpoint=endpoint, provenance=prov)
@@ -113,7 +113,7 @@ def describe_queued_resource(
     from tpulaunch.discover import tpu_api
 
     qr = name.rsplit("/", 1)[-1]
-    p, z, prov = _require_project_zone(project, zone, f"queued resource '{qr}'")
+    p, z, prov = require_project_zone(project, zone, f"queued resource '{qr}'")
     return tpu_api.queued_resource_specs(p, z, qr, timeout=timeout, endpoint=endpoint, provenance=prov)
 
 
@@ -128,7 +128,7 @@ def list_nodes(
     """Every TPU node of a zone (`-` means all zones), across all result pages."""
     from tpulaunch.discover import tpu_api
 
-    p, z, prov = _require_project_zone(project, zone, "TPU nodes")
+    p, z, prov = require_project_zone(project, zone, "TPU nodes")
     return tpu_api.list_node_specs(p, z, timeout=timeout, endpoint=endpoint, page_size=page_size, provenance=prov)
 
 

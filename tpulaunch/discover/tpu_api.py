@@ -26,6 +26,7 @@ from tpulaunch.plan import topology as topo_mod
 from tpulaunch import settings
 from tpulaunch.errors import (
     ApiPermissionError,
+    CapacityError,
     ApiUnreachableError,
     CredentialsError,
     DiscoveryError,
@@ -214,6 +215,42 @@ class TpuApi:
             lambda c, t: c.get_queued_resource(name=name, retry=None, timeout=t),
         )
 
+    def list_queued_resources(self, parent: str) -> list[Any]:
+        from google.cloud import tpu_v2
+
+        def call(c: Any, t: float) -> list[Any]:
+            out = []
+            for page in c.list_queued_resources(request=tpu_v2.ListQueuedResourcesRequest(parent=parent), retry=None,
+                                                timeout=t).pages:
+                out.extend(page.queued_resources)
+            return out
+
+        return self._call("list", parent, "tpu.queuedResources.list", call)
+
+    def create_queued_resource(self, parent: str, qr_id: str, body: dict, request_id: str) -> Any:
+        """Start creating a queued resource (`body`: its REST JSON); returns the long-running
+        operation, already checked by the service's validation."""
+        import json
+
+        from google.cloud import tpu_v2
+
+        qr = tpu_v2.QueuedResource.from_json(json.dumps(body))
+        request = tpu_v2.CreateQueuedResourceRequest(parent=parent, queued_resource_id=qr_id, queued_resource=qr,
+                                                     request_id=request_id)
+        return self._call("create", f"{parent}/queuedResources/{qr_id}", "tpu.queuedResources.create",
+                          lambda c, t: c.create_queued_resource(request=request, retry=None, timeout=t))
+
+    def delete_queued_resource(self, name: str, request_id: str, force: bool = True) -> Any:
+        from google.cloud import tpu_v2
+
+        request = tpu_v2.DeleteQueuedResourceRequest(name=name, force=force, request_id=request_id)
+        return self._call("delete", name, "tpu.queuedResources.delete",
+                          lambda c, t: c.delete_queued_resource(request=request, retry=None, timeout=t))
+
+    def operation_result(self, op: Any, resource: str, permission: str) -> Any:
+        """Wait (within the deadline) for a long-running operation; its result, or its error mapped."""
+        return self._call("wait", resource, permission, lambda _c, t: op.result(timeout=t))
+
     def _call(self, verb: str, resource: str, permission: str, fn: Callable[[Any, float], T]) -> T:
         client = self.client()
         try:
@@ -236,6 +273,15 @@ class TpuApi:
         project = _path_part(resource, "projects") or "<project>"
         if isinstance(e, core.NotFound):
             return NodeNotFoundError(f"{resource} not found", "check the name and --zone/--project")
+        if isinstance(e, core.Conflict):
+            return CapacityError(f"{_short(resource)} already exists", "delete it first (tpulaunch slice delete NAME), or pick"
+                                 " another name")
+        if isinstance(e, core.TooManyRequests):  # 429 quota on the call, or RESOURCE_EXHAUSTED (8) in the operation
+            return CapacityError(f"the Cloud TPU API has no room for {_short(resource)}: {_service_text(e)}",
+                                 "request more quota, or try another zone or tier (--spot, --reserved)")
+        if isinstance(e, (core.BadRequest, core.InvalidArgument, core.FailedPrecondition)):
+            return CapacityError(f"the Cloud TPU API refused {_short(resource)}: {_service_text(e)}",
+                                 "check the accelerator type, the runtime version (--runtime-version) and the zone")
         if isinstance(e, (core.PermissionDenied, core.Forbidden)):
             text = f"{getattr(e, 'reason', '') or ''} {e.message}"
             if "SERVICE_DISABLED" in text or "has not been used" in text or "is disabled" in text:
@@ -268,6 +314,20 @@ class TpuApi:
         if isinstance(e, requests.exceptions.RequestException):
             return ApiUnreachableError(f"request to the Cloud TPU API at {where} failed ({_one_line(str(e), 160)})")
         return DiscoveryError(f"could not read {resource} from the Cloud TPU API: {type(e).__name__}: {_one_line(str(e), 160)}")
+
+
+def _short(resource: str) -> str:
+    """`projects/p/locations/z/queuedResources/x` -> `queued resource x` (the zone is said elsewhere)."""
+    kind, _, name = resource.rpartition("/")
+    kind = kind.rsplit("/", 1)[-1]
+    return {"queuedResources": f"queued resource {name}", "nodes": f"node {name}"}.get(kind, resource)
+
+
+def _service_text(e: Exception) -> str:
+    """The service's own message, without api-core's `POST http://...: ` prefix."""
+    text = getattr(e, "message", None) or str(e)
+    text = re.sub(r"^(GET|POST|DELETE|PATCH|PUT) \S+: ", "", text)
+    return _one_line(text, 300)
 
 
 def _one_line(text: str, limit: int) -> str:

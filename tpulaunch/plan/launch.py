@@ -262,6 +262,14 @@ class LaunchPlan:
         """The plan of restart number `attempt`, meeting at `endpoints` (default: the same). Pure."""
         return replace(self, attempt=attempt, endpoints=endpoints or self.endpoints)
 
+    def on_slices(self, slices: list[SliceSpec]) -> "LaunchPlan":
+        """The same job on these slices (a re-created slice: same name and shape, new VMs and
+        addresses): every host slot and the meeting place follow the new addresses. Pure."""
+        if [s.name for s in slices] != [s.name for s in self.slices]:
+            raise LaunchError("internal: a re-created slice must keep its place in the run", "report this bug")
+        return replace(self, slices=tuple(slices), hosts=_slots(slices, self.topology),
+                       endpoints=replace(self.endpoints, host=slices[0].workers[0].ip))
+
     def to_dict(self) -> dict:
         j = self.job
         return {
@@ -329,12 +337,7 @@ def build_plan(
                 f"slice {s.name} lists {len(s.workers)} workers but {topo.accelerator_type} has {topo.num_hosts} hosts",
                 "the slice does not match its topology; describe it with `tpulaunch slice describe`",
             )
-    hosts = []
-    for s_idx, s in enumerate(slices):
-        ips = tuple(w.ip for w in s.workers)
-        for w in s.workers:
-            hosts.append(HostSlot(s_idx * topo.num_hosts + w.worker_id, s_idx, w.worker_id, s.name, w.ip, ips))
-    hosts.sort(key=lambda h: h.process_index)
+    hosts = _slots(slices, topo)
     job = Job(
         run_id=run_id, script=script, args=tuple(args), framework=framework, mesh=mesh, emulated=emulated,
         distributed=distributed, metadata_server=metadata_server, log_dir=log_dir, workdir=workdir,
@@ -346,4 +349,14 @@ def build_plan(
         jax_port=jax_coordinator_port, emulation_port=emulation_port if emulated else None,
         megascale_port=megascale_port,
     )
-    return LaunchPlan(job=job, slices=tuple(slices), hosts=tuple(hosts), endpoints=endpoints)
+    return LaunchPlan(job=job, slices=tuple(slices), hosts=hosts, endpoints=endpoints)
+
+
+def _slots(slices: list[SliceSpec], topo: Topology) -> tuple[HostSlot, ...]:
+    """One slot per worker of every slice; process index = slice index x hosts per slice + worker id."""
+    hosts = []
+    for s_idx, s in enumerate(slices):
+        ips = tuple(w.ip for w in s.workers)
+        for w in s.workers:
+            hosts.append(HostSlot(s_idx * topo.num_hosts + w.worker_id, s_idx, w.worker_id, s.name, w.ip, ips))
+    return tuple(sorted(hosts, key=lambda h: h.process_index))

@@ -21,10 +21,10 @@ from tpulaunch.cluster.connect import connect, disconnect, ray_output_to
 from tpulaunch.cluster.ports import free_port
 from tpulaunch.cluster.processes import stop_run_processes
 from tpulaunch.cluster.record import ClusterInfo, load_record, save_record, state_dir
-from tpulaunch.errors import LaunchError
+from tpulaunch.errors import LaunchError, TpulaunchError
 from tpulaunch.host.agent import agent_for
 from tpulaunch.plan.launch import LaunchPlan
-from tpulaunch.run import policy
+from tpulaunch.run import policy, recreate
 from tpulaunch.run.execute import Limits, Sink, execute
 from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.prepare import LaunchRequest, Prepared, Target, recorded_slices
@@ -106,6 +106,11 @@ def launch(prep: Prepared, sink: Sink, connection: Connection | None = None, *, 
            quiet_ray: bool = False, debug: bool = False) -> RunSummary:
     """Get a cluster, run the attempts, clean up; returns (and writes) the run's summary."""
     plan, req = prep.plan, prep.request
+    if req.recreate:  # refused before anything starts: no head to survive the slice, nothing to re-create
+        why = recreate.refusal(prep.cluster, plan.emulated)
+        if why:
+            raise LaunchError(why, "")
+        recreate.check_recreatable(prep.cluster)
     paths = RunPaths.of(plan.job.log_dir)
     paths.root.mkdir(parents=True, exist_ok=True)
     conn = connection or Connection(Target(prep.cluster), prep.runtime_env)
@@ -215,15 +220,31 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
                             note=f"attempt {a.index}: {a.outcome}: {who}"))
         spent = decision.spent
         if decision.action is policy.Action.WAIT_FOR_SLICE:
-            sink.progress(f"{who}: waiting up to {req.preemption_wait:g} s for the slice to be whole again"
+            t0 = time.monotonic()
+            if req.recreate:
+                lost = sorted({current.hosts[h.process_index].slice_name for h in a.hosts if h.lost or h.preempted})
+                try:
+                    recs, slices = recreate.bring_back(cluster, lost, req.preemption_wait, sink.progress)
+                except TpulaunchError as e:
+                    return spent, f"the slice was not made again within --preemption-wait {req.preemption_wait:g} s: {e.line()}"
+                a.recreated = [r.to_dict() for r in recs]
+                if recs:  # the Cloud TPU API's word: these hosts were not just lost, their slice was preempted
+                    a.outcome = Outcome.PREEMPTED
+                    a.note = "; ".join(f"slice {r.slice} preempted ({r.why})" for r in recs)
+                    current = current.on_slices(slices)
+            left = max(1.0, req.preemption_wait - (time.monotonic() - t0))
+            sink.progress(f"{who}: waiting up to {left:.0f} s for the slice to be whole again in Ray"
                           f" (preemption {spent.preemptions} of {req.max_preemptions})")
-            if not _wait_for_slice(current, cluster, req.preemption_wait, sigs, sink):
+            t1 = time.monotonic()
+            if not _wait_for_slice(current, cluster, left, sigs, sink):
                 return spent, f"the slice was not whole again within --preemption-wait {req.preemption_wait:g} s"
+            for r in a.recreated:
+                r["steps"]["ray_whole_s"] = round(time.monotonic() - t1, 2)
         else:
             sink.progress(f"{who}: restarting the whole slice (restart {spent.restarts} of {req.max_restarts})")
         if sigs.received is not None:
             return spent, None
-        current = plan.for_attempt(current.attempt + 1, _fresh_endpoints(plan))
+        current = current.for_attempt(current.attempt + 1, _fresh_endpoints(current))
 
 
 def attempts_brief(attempts: list[Attempt]) -> tuple[dict, ...]:
@@ -231,7 +252,7 @@ def attempts_brief(attempts: list[Attempt]) -> tuple[dict, ...]:
     out = []
     for a in attempts:
         out.append({"index": a.index, "outcome": str(a.outcome), "exit_code": a.exit_code, "who": a.who,
-                    "log_dir": a.log_dir})
+                    "log_dir": a.log_dir, **({"recreated": a.recreated} if a.recreated else {})})
     return tuple(out)
 
 

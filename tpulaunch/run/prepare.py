@@ -58,6 +58,7 @@ class LaunchRequest:
     max_preemptions: int = 0  # relaunches after a host was lost or preempted
     preemption_wait: float = 600.0  # how long to wait for the slice to be whole again
     preemption_grace: float = 30.0  # a preempted script's time between SIGTERM and SIGKILL
+    recreate: bool = False  # a preempted slice is made again through the Cloud TPU API (`run.recreate`)
     compile_cache: str | None = None  # persistent compilation cache dir; None: the default one
     no_compile_cache: bool = False
     keep_cluster: bool = False  # leave an emulated cluster this run starts up for the next runs

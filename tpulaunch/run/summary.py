@@ -109,6 +109,7 @@ class Attempt:
     timings: dict = field(default_factory=dict)
     signal: str | None = None  # SIGINT / SIGTERM when interrupted
     findings: list[dict] = field(default_factory=list)  # preflight: errors and warnings, by host
+    recreated: list[dict] = field(default_factory=list)  # --recreate: the slices made again after it, each step timed
 
     @property
     def who(self) -> str | None:

@@ -1,0 +1,236 @@
+"""Preempted slices come back by themselves: `slice create`, `cluster up --tpu --head local --setup`,
+a detached run with `--max-preemptions --recreate`, and Google Cloud's preemption played by the fake
+Cloud TPU API (node PREEMPTED, its VMs' processes killed and disks wiped, the queued resource
+SUSPENDED) while the fake gcloud runs every worker on this machine. Ray is real; the product talks
+to the fakes with its production client code.
+
+One cluster lifecycle for the module, in order: a preemption the run survives (re-created, set up,
+rejoined, resumed from its checkpoint, exit 0); a budget spent (exit 75); a stockout on re-create
+(exit 75 with the service's reason); `cluster down` leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fakes import closed_port, cli_env, run_cli
+from fakes.tpu_api_server import FakeTpuApi
+
+from test_cluster_remote import _cmdline, procs_of, ssh_commands
+
+ZONE = "us-central2-b"
+NAME = "rs-v4"
+WORKERS = 2
+SCRIPT = """\
+import json, os, time
+import tpulaunch
+
+ctx = tpulaunch.context()
+ckpt = os.path.join(os.environ["CKPT_DIR"], f"host-{ctx.process_index}.json")
+step = json.load(open(ckpt))["step"] if os.path.exists(ckpt) else 0
+print(f"attempt {ctx.restart_count} host {ctx.process_index} starts at step {step}", flush=True)
+stop = step + int(os.environ.get("STEPS_AFTER_RESUME", "6")) if step else 10_000
+while step < stop:
+    time.sleep(0.3)
+    step += 1
+    if step % 2 == 0:  # a checkpoint every 2 steps, on storage every VM sees (a bucket, in real life)
+        with open(ckpt + ".tmp", "w") as f:
+            json.dump({"step": step}, f)
+        os.replace(ckpt + ".tmp", ckpt)
+        print(f"step {step} saved", flush=True)
+print(f"host {ctx.process_index} done at step {step}", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory):
+    """The fake Cloud TPU API (no slices yet) and the fake gcloud reading the VMs it makes."""
+    base = tmp_path_factory.mktemp("recreate")
+    slices = base / "slices.json"
+    temp_dir = f"/tmp/tplr-{uuid.uuid4().hex[:8]}"
+    with FakeTpuApi(wait_s=1, provision_s=2, suspend_s=2, stockout_fail_s=2, gcloud_slices=str(slices)) as api:
+        env = cli_env(base / "home", gcloud=True, TPULAUNCH_HOME=str(base / "tplhome"),
+                      TPULAUNCH_TPU_API_ENDPOINT=api.url, FAKE_GCLOUD_LOG=str(base / "gcloud.log"),
+                      FAKE_GCLOUD_SLICES=str(slices),
+                      # Ray's own knob, as a deployment may set it: the head declares a dead VM's node
+                      # dead after 3 missed 1 s health checks (default 5 x 3 s), so each loss is seen sooner
+                      RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
+        ctx = {"api": api, "env": env, "base": base, "temp_dir": temp_dir, "port": closed_port(),
+               "log": base / "gcloud.log", "ckpt": base / "ckpt"}
+        try:
+            yield ctx
+        finally:
+            rec = Path(env["TPULAUNCH_HOME"]) / "cluster.json"
+            dirs = [temp_dir] + ([json.loads(rec.read_text())["temp_dir"]] if rec.exists() else [])
+            if rec.exists():  # a test failed before its `cluster down`
+                run_cli("cluster", "down", env=env, timeout=120)
+            left = [(pid, _cmdline(pid)) for d in dirs for pid in procs_of(d)]
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for pid in [p for d in dirs for p in procs_of(d)]:
+                    try:
+                        os.kill(pid, sig)
+                    except OSError:
+                        pass
+                time.sleep(1)
+            subprocess.run(["rm", "-rf", temp_dir, *glob.glob(temp_dir + "-vm*")], check=False)
+            assert not left, f"cluster processes left behind: {left}"
+
+
+def cli(cloud, *args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    return run_cli(*args, env={**cloud["env"], **env}, cwd=cloud["base"], timeout=timeout)
+
+
+def preempt(cloud, node: str) -> None:
+    """What Google Cloud does to a spot slice, through the fake's test-only control endpoint."""
+    req = urllib.request.Request(cloud["api"].url + "/_fake/preempt", data=json.dumps({"node": node}).encode(),
+                                 method="POST")
+    urllib.request.urlopen(req, timeout=30).read()
+
+
+def submit(cloud, *more: str) -> str:
+    (cloud["base"] / "train.py").write_text(SCRIPT)
+    cloud["ckpt"].mkdir(exist_ok=True)
+    for f in cloud["ckpt"].iterdir():
+        f.unlink()
+    sub = cli(cloud, "run", "train.py", "--address", "auto", "--framework", "none", "--detach", "--recreate",
+              "--env", f"CKPT_DIR={cloud['ckpt']}", *more, timeout=120)
+    assert sub.returncode == 0, sub.stderr
+    return sub.stdout.strip()
+
+
+def wait_for_checkpoints(cloud, run_id: str, step: int = 4, timeout: float = 180) -> None:
+    end = time.monotonic() + timeout
+    files = [cloud["ckpt"] / f"host-{w}.json" for w in range(WORKERS)]
+    while not all(f.exists() and json.loads(f.read_text())["step"] >= step for f in files):
+        assert time.monotonic() < end, "no checkpoints: " + cli(cloud, "logs", run_id, timeout=60).stdout[-3000:]
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def cluster(cloud):
+    """`slice create --spot --wait`, then `cluster up --tpu --head local --setup-script`: the head
+    here, the workers set up and joined to it."""
+    made = cli(cloud, "slice", "create", NAME, "--accelerator", "v4-16", "--spot", "--wait", "--zone", ZONE,
+               "--project", "p")
+    assert made.returncode == 0, made.stderr
+    setup = f"echo \"setup worker $TPU_WORKER_ID\" >> {cloud['base']}/setup-runs.txt\necho ready\n"
+    (cloud["base"] / "setup.sh").write_text(setup)
+    up = cli(cloud, "cluster", "up", "--tpu", NAME, "--zone", ZONE, "--project", "p", "--head", "local",
+             "--head-ip", "127.0.0.2", "--port", str(cloud["port"]), "--ray-temp-dir", cloud["temp_dir"],
+             "--setup-script", str(cloud["base"] / "setup.sh"), "--json")
+    assert up.returncode == 0, up.stderr
+    cloud["head_dir"] = json.loads((Path(cloud["env"]["TPULAUNCH_HOME"]) / "cluster.json").read_text())["temp_dir"]
+    return {**cloud, "up": json.loads(up.stdout), "setup": setup}
+
+
+def test_a_preempted_slice_is_recreated_rejoined_and_the_run_resumes(cluster):
+    cloud, api, doc = cluster, cluster["api"], cluster["up"]
+    assert doc["remote"]["head"] == "local" and doc["remote"]["setup"] == cluster["setup"]
+    starts = [(w, c) for w, c in ssh_commands(cloud["log"]) if "ray.scripts.scripts start" in c]
+    assert sorted(w for w, _ in starts) == list(range(WORKERS))
+    assert all("--head" not in c and f"--address 127.0.0.2:{cloud['port']}" in c for _, c in starts)
+    assert procs_of(cloud["head_dir"]), "the head does not run here"
+    assert sorted((cloud["base"] / "setup-runs.txt").read_text().splitlines()) == ["setup worker 0", "setup worker 1"]
+
+    run_id = submit(cloud, "--max-preemptions", "1", "--preemption-wait", "240")
+    wait_for_checkpoints(cloud, run_id)
+    t0 = time.monotonic()
+    preempt(cloud, NAME)
+    saved = {w: json.loads((cloud["ckpt"] / f"host-{w}.json").read_text())["step"] for w in range(WORKERS)}
+    while json.loads(cli(cloud, "status", run_id, "--json", timeout=60).stdout)["state"] == "running":
+        assert time.monotonic() - t0 < 120, "the loss was never noticed"
+        time.sleep(0.5)
+    noticed = time.monotonic() - t0
+    wait = cli(cloud, "wait", run_id, "--json", timeout=400)
+    print(f"preemption noticed after {noticed:.1f} s; the run ended {time.monotonic() - t0:.1f} s after it")
+    log = cli(cloud, "logs", run_id, timeout=60).stdout
+    print("\n--- the run's output, from the loss to the relaunch ---\n" + log)
+    assert wait.returncode == 0, wait.stdout + wait.stderr + log[-4000:]
+    final = json.loads(wait.stdout)
+    assert [a["outcome"] for a in final["attempts"]] == ["preempted", "ok"]
+    summary = json.loads((Path(final["attempts"][0]["log_dir"]).parent / "summary.json").read_text())
+    assert [a["outcome"] for a in summary["attempts"]] == ["preempted", "ok"] and summary["exit_code"] == 0
+    assert summary["attempts"][0]["recreated"] == final["attempts"][0]["recreated"]
+    (rec,) = final["attempts"][0]["recreated"]
+    print("re-created:", json.dumps(rec))
+    assert rec["slice"] == NAME and rec["queued_resource"] == NAME
+    assert "SUSPEND" in rec["why"] or "PREEMPTED" in rec["why"] or "gone" in rec["why"]
+    assert set(rec["steps"]) == {"delete_s", "create_s", "provision_s", "setup_join_s", "ray_whole_s"}
+    # the fake's request log: after the preemption, one delete and one create of the queued resource
+    assert api.events == [f"create {NAME}", f"preempt {NAME}", f"delete {NAME}", f"create {NAME}"]
+    assert [c["body"] for c in api.calls("create_qr")][0] == [c["body"] for c in api.calls("create_qr")][1]
+    assert len(api.calls("delete_qr")) == 1
+    # the new VMs were set up (again: their disks are new) and joined the same head
+    assert sorted((cloud["base"] / "setup-runs.txt").read_text().splitlines()) == ["setup worker 0"] * 2 + [
+        "setup worker 1"] * 2
+    for w in range(WORKERS):  # resumed from its own checkpoint, in attempt 1, and finished
+        assert f"attempt 1 host {w} starts at step {saved[w]}" in log or any(
+            f"attempt 1 host {w} starts at step {s}" in log for s in range(saved[w], saved[w] + 3))
+        assert f"host {w} done at step" in log
+    for k in (0, 1):  # every host's log of every attempt is kept
+        for w in range(WORKERS):
+            one = cli(cloud, "logs", run_id, "--host", str(w), "--attempt", str(k), timeout=60)
+            assert one.returncode == 0 and f"attempt {k} host {w}" in one.stdout
+    assert "re-creating it" in log and "ACTIVE again" in log
+
+
+def test_the_budget_counts_recreations(cluster):
+    cloud = cluster
+    """--max-preemptions 1 and two preemptions: one re-creation, then exit 75 saying the budget is spent."""
+    run_id = submit(cloud, "--max-preemptions", "1", "--preemption-wait", "240", "--env", "STEPS_AFTER_RESUME=100000")
+    wait_for_checkpoints(cloud, run_id, step=2)
+    preempt(cloud, NAME)
+    end = time.monotonic() + 300
+    while True:  # the slice is back and the next attempt runs
+        d = json.loads(cli(cloud, "status", run_id, "--json", timeout=60).stdout)
+        if d.get("attempt") == 1 and d["state"] == "running" and all(
+                (h.get("last_line") or "").startswith(("attempt 1", "step")) for h in d["hosts"]):
+            break
+        assert d["state"] in ("running", "restarting") and time.monotonic() < end, d
+        time.sleep(1)
+    preempt(cloud, NAME)
+    wait = cli(cloud, "wait", run_id, "--json", timeout=300)
+    assert wait.returncode == 75, wait.stdout + wait.stderr
+    final = json.loads(wait.stdout)
+    assert [a["outcome"] for a in final["attempts"]] == ["preempted", "lost"]
+    assert len(final["attempts"][0]["recreated"]) == 1 and not final["attempts"][1].get("recreated")
+    assert "preemption budget" in final["note"] or "--max-preemptions" in final["note"], final["note"]
+
+
+def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
+    cloud = cluster
+    # the run before ended with the slice preempted: bring it back by hand, as a person would
+    for args in (["slice", "delete", NAME], ["slice", "create", NAME, "--accelerator", "v4-16", "--spot", "--wait"]):
+        done = cli(cloud, *args, "--zone", ZONE, "--project", "p")
+        assert done.returncode == 0, done.stderr
+    again = cli(cloud, "cluster", "up", "--tpu", NAME, "--zone", ZONE, "--project", "p", "--head", "local",
+                "--head-ip", "127.0.0.2", "--port", str(cloud["port"]), "--ray-temp-dir", cloud["temp_dir"],
+                "--setup-script", str(cloud["base"] / "setup.sh"))
+    assert again.returncode == 0, again.stderr
+    run_id = submit(cloud, "--max-preemptions", "1", "--preemption-wait", "15")
+    wait_for_checkpoints(cloud, run_id, step=2)
+    cloud["api"].set_capacity(stockout=True)
+    preempt(cloud, NAME)
+    wait = cli(cloud, "wait", run_id, "--json", timeout=300)
+    assert wait.returncode == 75, wait.stdout + wait.stderr
+    final = json.loads(wait.stdout)
+    assert "There is no more capacity in the zone" in final["note"], final["note"]
+    assert "--preemption-wait 15" in final["note"]
+    creates_after = [e for e in cloud["api"].events[cloud["api"].events.index("stockout True"):] if e.startswith("create")]
+    assert len(creates_after) >= 2  # asked again after the first request failed
+    down = cli(cloud, "cluster", "down", "--json", timeout=120)  # the slice is gone: down still ends the head
+    assert down.returncode == 0, down.stderr
+    hosts = json.loads(down.stdout)["hosts"]
+    assert hosts["0"]["gone"] and hosts["1"]["gone"] and hosts["head"]["stopped"] > 0
+    left = [(pid, _cmdline(pid)) for pid in procs_of(cloud["temp_dir"]) + procs_of(cloud["head_dir"])]
+    assert left == [] and not Path(cloud["head_dir"]).exists()

@@ -1,0 +1,108 @@
+"""Slice creation as data (`discover.capacity`: the request body against the REST reference) and the
+rules of `--recreate` (`run.recreate`: when a slice must be made again, when the flag is refused),
+and a plan moved onto a re-created slice's new addresses (`LaunchPlan.on_slices`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpulaunch.cluster.record import ClusterInfo
+from tpulaunch.discover.capacity import SliceOrder, check_order, queued_resource_body
+from tpulaunch.errors import CapacityError, LaunchError
+from tpulaunch.plan.launch import build_plan
+from tpulaunch.plan.mesh import plan_mesh
+from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
+from tpulaunch.plan.topology import resolve
+from tpulaunch.run.recreate import must_recreate, refusal
+
+P = "projects/p/locations/us-central2-b"
+
+
+def order(**kw) -> SliceOrder:
+    base = dict(name="my-slice", project="p", zone="us-central2-b", accelerator_type="v4-16")
+    return check_order(SliceOrder(**{**base, **kw}))
+
+
+def test_a_spot_slice_by_accelerator_type():
+    assert queued_resource_body(order(tier="spot")) == {
+        "tpu": {"nodeSpec": [{"parent": P, "nodeId": "my-slice", "node": {
+            "runtimeVersion": "tpu-ubuntu2204-base", "acceleratorType": "v4-16", "schedulingConfig": {"spot": True}}}]},
+        "spot": {},
+    }
+
+
+def test_a_reserved_slice_by_topology_with_its_generations_runtime():
+    body = queued_resource_body(order(accelerator_type="v5p", topology="2x2x4", tier="reserved"))
+    node = body["tpu"]["nodeSpec"][0]["node"]
+    assert node == {"runtimeVersion": "v2-alpha-tpuv5", "acceleratorConfig": {"type": "V5P", "topology": "2x2x4"}}
+    assert body["reservationName"] == f"{P}/reservations/-" and "spot" not in body
+
+
+def test_guaranteed_multislice_with_network_and_runtime():
+    body = queued_resource_body(order(accelerator_type="v6e-16", num_slices=3, tier="guaranteed",
+                                      runtime_version="v2-alpha-tpuv6e-custom", network="n1", subnetwork="s1"))
+    spec = body["tpu"]["nodeSpec"][0]
+    assert spec["multisliceParams"] == {"nodeCount": 3, "nodeIdPrefix": "my-slice"} and "nodeId" not in spec
+    assert spec["node"]["networkConfig"] == {"network": "n1", "subnetwork": "s1"}
+    assert spec["node"]["runtimeVersion"] == "v2-alpha-tpuv6e-custom" and body["guaranteed"] == {}
+    assert order(num_slices=3).node_names() == ["my-slice-0", "my-slice-1", "my-slice-2"]
+
+
+def test_on_demand_sends_no_tier():
+    body = queued_resource_body(order())
+    assert set(body) == {"tpu"} and "schedulingConfig" not in body["tpu"]["nodeSpec"][0]["node"]
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"name": "My_Slice"}, "not a name the Cloud TPU API accepts"),
+    ({"accelerator_type": "tpu7x-16"}, "GKE only"),
+    ({"accelerator_type": "v3-32", "num_slices": 2}, "do not form a multislice"),
+    ({"tier": "cheap"}, "unknown tier 'cheap'"),
+    ({"num_slices": 0}, "--num-slices 0"),
+])
+def test_orders_the_api_would_refuse_are_refused_here(kw, says):
+    with pytest.raises(CapacityError, match=says):
+        order(**kw)
+
+
+@pytest.mark.parametrize("node, qr, recreate", [
+    ("READY", "ACTIVE", False),  # a node lost for another reason: the slice is fine
+    ("PREEMPTED", "ACTIVE", True),
+    ("TERMINATED", None, True),
+    (None, "SUSPENDED", True),  # the QR's nodes are deleted once it is SUSPENDED
+    ("READY", "SUSPENDING", True),
+    ("READY", "FAILED", True),
+    (None, None, True),
+])
+def test_when_a_slice_must_be_made_again(node, qr, recreate):
+    assert (must_recreate(node, qr) is not None) is recreate
+
+
+def _cluster(**remote) -> ClusterInfo:
+    return ClusterInfo(address="10.0.0.1:6379", temp_dir="/tmp/tpl-x", token_path=None, emulated=False,
+                       remote={"tpu": "s", "zone": "z", "project": "p", **remote})
+
+
+def test_recreate_is_refused_without_a_head_off_the_slice_or_on_emulation():
+    assert "the head would be preempted with the slice" in refusal(_cluster(head="worker-0"), False)
+    assert "emulated" in refusal(None, True)
+    assert "--head local" in refusal(ClusterInfo(address="a:1", temp_dir=None, token_path=None, emulated=False), False)
+    assert refusal(_cluster(head="local"), False) is None
+
+
+def test_a_plan_follows_a_recreated_slice_to_its_new_addresses():
+    topo = resolve("v4-16")
+
+    def spec(ips):
+        return SliceSpec(name="s", accelerator_type="v4-16", topology=topo.topology, source="tpu-api",
+                         workers=tuple(WorkerEndpoint(i, ip) for i, ip in enumerate(ips)))
+
+    plan = build_plan(slices=[spec(["10.0.0.2", "10.0.0.3"])], mesh=plan_mesh(topo), script="t.py", run_id="r",
+                      coordinator_port=8476, emulated=False, log_dir="/l", workdir="/w")
+    moved = plan.for_attempt(1).on_slices([spec(["10.0.9.7", "10.0.9.8"])])
+    assert moved.endpoints.host == "10.0.9.7" and moved.endpoints.master_port == 8476 and moved.attempt == 1
+    assert [h.ip for h in moved.hosts] == ["10.0.9.7", "10.0.9.8"]
+    assert moved.env(1)["TPU_WORKER_HOSTNAMES"] == "10.0.9.7,10.0.9.8"
+    with pytest.raises(LaunchError):
+        plan.on_slices([SliceSpec(name="other", accelerator_type="v4-16", topology=topo.topology, source="x",
+                                  workers=spec(["1.1.1.1", "1.1.1.2"]).workers)])

@@ -1,0 +1,129 @@
+"""`--recreate`: a preempted slice is made again, set up, joined to the same head, and the run goes on.
+
+On Cloud TPU nothing revives a preempted spot slice: its queued resource goes SUSPENDED (or its
+node PREEMPTED) until someone deletes and re-creates it. With `--recreate`, when an attempt lost
+hosts the run asks the Cloud TPU API what happened to their slices; a slice the API calls
+preempted (node PREEMPTED / TERMINATED / gone, queued resource SUSPENDING / SUSPENDED / FAILED) is
+deleted and created again from the spec its queued resource holds, waited for until ACTIVE, its
+workers set up (`cluster up --setup`) and joined to the same Ray head, all within
+`--preemption-wait`; then the next attempt runs on the new VMs. A slice the API still calls
+READY lost a node for another reason: nothing is re-created (the plain wait for the slice).
+
+`must_recreate` and `refusal` are the rules (pure); `bring_back` carries them out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tpulaunch.cluster.record import ClusterInfo, save_record
+from tpulaunch.errors import LaunchError
+from tpulaunch.plan.slicespec import SliceSpec
+
+PREEMPTED_NODE = ("PREEMPTED", "TERMINATED", "STOPPED", "STOPPING", "DELETING")
+PREEMPTED_QR = ("SUSPENDING", "SUSPENDED", "FAILED", "DELETING")
+
+
+@dataclass
+class Recreation:
+    """One slice made again: what the API said, and how long each step took."""
+
+    slice: str
+    queued_resource: str
+    why: str  # node PREEMPTED, queued resource SUSPENDED, node gone ...
+    steps: dict[str, float] = field(default_factory=dict)  # delete_s, create_s, provision_s, setup_join_s, ray_whole_s
+
+    def to_dict(self) -> dict:
+        return {"slice": self.slice, "queued_resource": self.queued_resource, "why": self.why,
+                "steps": {k: round(v, 2) for k, v in self.steps.items()}}
+
+
+def must_recreate(node_state: str | None, qr_state: str | None) -> str | None:
+    """Why the slice must be made again (None: it was not preempted; a plain node loss). Pure."""
+    if node_state is None:
+        return f"its node is gone (queued resource {qr_state or 'gone'})"
+    if node_state in PREEMPTED_NODE:
+        return f"its node is {node_state}"
+    if qr_state in PREEMPTED_QR:
+        return f"its queued resource is {qr_state}"
+    return None
+
+
+def refusal(cluster: ClusterInfo | None, emulated: bool) -> str | None:
+    """Why `--recreate` cannot work for a run on `cluster` (checked before anything starts). Pure."""
+    if emulated or cluster is None or cluster.emulated:
+        return ("--recreate makes real slices again through the Cloud TPU API; an emulated slice's lost hosts are"
+                " started again without it")
+    remote = cluster.remote or {}
+    if not remote.get("tpu"):
+        return "--recreate needs a cluster brought up by `tpulaunch cluster up --tpu NAME --head local` (none is recorded)"
+    if remote.get("head") != "local":
+        return (f"--recreate with the Ray head on worker 0 of '{remote['tpu']}': the head would be preempted with the"
+                " slice. bring the cluster up with `tpulaunch cluster up --tpu NAME --head local`")
+    return None
+
+
+def check_recreatable(cluster: ClusterInfo) -> SliceSpec:
+    """The slice as the API knows it now; refuses (one line) a slice with no queued resource or no
+    credentials to ask."""
+    from tpulaunch import discover
+
+    r = cluster.remote or {}
+    spec = discover.describe_node(r["tpu"], zone=r["zone"], project=r["project"])
+    if not spec.queued_resource:
+        raise LaunchError(f"TPU '{spec.name}' was not created through a queued resource: nothing records how to make"
+                          " it again", "create it with `tpulaunch slice create NAME ... --spot`, or run without --recreate")
+    return spec
+
+
+def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
+               say: Callable[[str], None]) -> tuple[list[Recreation], list[SliceSpec]]:
+    """Ask the API about each slice in `lost`; re-create, set up and rejoin the preempted ones.
+    Returns what was re-created and the cluster's slices as they are now (new addresses)."""
+    from tpulaunch import discover
+    from tpulaunch.cluster.remote import RemoteSlice
+    from tpulaunch.discover import capacity
+    from tpulaunch.errors import NodeNotFoundError
+
+    end = time.monotonic() + deadline_s
+    r = cluster.remote or {}
+    project, zone = r["project"], r["zone"]
+    done: list[Recreation] = []
+    slices = [SliceSpec.from_dict(d) for d in cluster.slices]
+    for i, spec in enumerate(slices):
+        if spec.name not in lost:
+            continue
+        qr = (spec.queued_resource or "").rsplit("/", 1)[-1]
+        try:
+            node_state = discover.describe_node(spec.name, zone=zone, project=project).state
+        except NodeNotFoundError:
+            node_state = None
+        qr_state = (capacity.get(project, zone, qr) or capacity.QrState(qr, "gone")).state if qr else None
+        why = must_recreate(node_state, qr_state)
+        if why is None:
+            say(f"slice {spec.name}: the Cloud TPU API says it is {node_state}: a node was lost, not the slice;"
+                " waiting for it in Ray")
+            continue
+        if not qr:
+            raise LaunchError(f"slice {spec.name} was preempted ({why}) but has no queued resource to re-create",
+                              "re-create it yourself and run `tpulaunch cluster up --tpu` again")
+        say(f"slice {spec.name}: {why}: re-creating it (queued resource {qr})")
+        rec = Recreation(spec.name, qr, why)
+        _st, took = capacity.recreate(project, zone, qr, max(1.0, end - time.monotonic()), say)
+        rec.steps.update(took)
+        t = time.monotonic()
+        fresh = discover.describe_node(spec.name, zone=zone, project=project)
+        say(f"slice {spec.name}: ACTIVE again ({len(fresh.workers)} workers): setting up and joining the head")
+        rs = RemoteSlice.from_record(cluster)
+        rs.spec = fresh
+        info = rs.up(progress=lambda w, s, name=spec.name: say(f"slice {name} worker {w}: {s}"), replaced=True,
+                     replaced_wait_s=max(1.0, end - time.monotonic()))
+        rec.steps["setup_join_s"] = time.monotonic() - t
+        slices[i] = fresh
+        cluster.slices[i] = fresh.to_dict()
+        cluster.address = info.address
+        save_record(cluster)  # the record follows the new VMs (status, down, the next re-creation)
+        done.append(rec)
+    return done, slices
