@@ -58,7 +58,7 @@ def cloud(tmp_path_factory):
     base = tmp_path_factory.mktemp("recreate")
     slices = base / "slices.json"
     temp_dir = f"/tmp/tplr-{uuid.uuid4().hex[:8]}"
-    with FakeTpuApi(wait_s=1, provision_s=2, suspend_s=2, stockout_fail_s=2, gcloud_slices=str(slices)) as api:
+    with FakeTpuApi(wait_s=0.5, provision_s=1, suspend_s=1, stockout_fail_s=1, gcloud_slices=str(slices)) as api:
         env = cli_env(base / "home", gcloud=True, TPULAUNCH_HOME=str(base / "tplhome"),
                       TPULAUNCH_TPU_API_ENDPOINT=api.url, FAKE_GCLOUD_LOG=str(base / "gcloud.log"),
                       FAKE_GCLOUD_SLICES=str(slices),
@@ -217,7 +217,7 @@ def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
                 "--head-ip", "127.0.0.2", "--port", str(cloud["port"]), "--ray-temp-dir", cloud["temp_dir"],
                 "--setup-script", str(cloud["base"] / "setup.sh"))
     assert again.returncode == 0, again.stderr
-    run_id = submit(cloud, "--max-preemptions", "1", "--preemption-wait", "15")
+    run_id = submit(cloud, "--max-preemptions", "1", "--preemption-wait", "10")
     wait_for_checkpoints(cloud, run_id, step=2)
     cloud["api"].set_capacity(stockout=True)
     preempt(cloud, NAME)
@@ -225,7 +225,7 @@ def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
     assert wait.returncode == 75, wait.stdout + wait.stderr
     final = json.loads(wait.stdout)
     assert "There is no more capacity in the zone" in final["note"], final["note"]
-    assert "--preemption-wait 15" in final["note"]
+    assert "--preemption-wait 10" in final["note"]
     creates_after = [e for e in cloud["api"].events[cloud["api"].events.index("stockout True"):] if e.startswith("create")]
     assert len(creates_after) >= 2  # asked again after the first request failed
     down = cli(cloud, "cluster", "down", "--json", timeout=120)  # the slice is gone: down still ends the head

@@ -214,11 +214,13 @@ def wait_active(project: str, zone: str, name: str, deadline_s: float, progress:
 
 
 def recreate(project: str, zone: str, name: str, deadline_s: float, progress: Progress | None = None,
-             retry_s: float = 10.0) -> tuple[QrState, dict[str, float]]:
+             retry_s: float | None = None) -> tuple[QrState, dict[str, float]]:
     """Delete the queued resource and create it again from the spec it was created with, then
     wait until ACTIVE, all within `deadline_s`; a refusal for capacity (quota, stockout) is retried
-    until then. Returns the new state and how long each step took."""
+    until then (every 10 s, or a sixth of a shorter deadline, so it is asked several times).
+    Returns the new state and how long each step took."""
     say = progress or (lambda _m: None)
+    retry_s = retry_s if retry_s is not None else min(10.0, max(1.0, deadline_s / 6))
     end = time.monotonic() + deadline_s
     took: dict[str, float] = {}
     old = get(project, zone, name)
