@@ -198,10 +198,18 @@ def test_up_status_idempotent_down(remote):
 
     # Without the token, Ray refuses the connection (with it, status above got in).
     no_tok = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    probe = subprocess.run(
+    probe = subprocess.Popen(
         [sys.executable, "-c", "import ray; ray.init(address='127.0.0.2:%d', logging_level='ERROR'); print('CONNECTED')"
-         % remote["port"]], env=no_tok, capture_output=True, text=True, timeout=120)
-    assert probe.returncode != 0 and "CONNECTED" not in probe.stdout
+         % remote["port"]], env=no_tok, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    said = []  # Ray retries a refused token for a long while: its first refusal is the answer
+    assert probe.stdout is not None
+    for line in probe.stdout:
+        said.append(line)
+        if "InvalidAuthToken" in line or "CONNECTED" in line:
+            break
+    probe.kill()
+    probe.wait(timeout=30)
+    assert any("InvalidAuthToken" in line for line in said) and not any("CONNECTED" in line for line in said), said
 
     # A second `up` leaves every host alone: no new `ray start`.
     n_before = len(ssh_commands(log))

@@ -104,23 +104,31 @@ def _status_doc(rec) -> dict:  # noqa: ANN001 - RunRecord
 def _status_table(doc: dict) -> Table:
     t = Table(title=f"run {doc['run_id']}: {doc['state']}" + (f", attempt {doc['attempt']}" if doc["attempt"] else "")
               + (f", exit {doc['exit_code']}" if doc["exit_code"] is not None else ""), title_justify="left")
-    for col in ("host", "slice/worker", "state", "since", "last line"):
-        t.add_column(col)
+    steps = any(h["step"] is not None for h in doc["hosts"])  # the script calls tpulaunch.heartbeat(step=N)
+    for col in ("host", "slice/worker", "state", *(("step", "steps/s") if steps else ()), "since", "last line"):
+        t.add_column(col, justify="right" if col in ("step", "steps/s") else "left")
     for h in doc["hosts"]:
+        step = (("-" if h["step"] is None else str(h["step"]),
+                 "-" if h["step_rate"] is None else f"{h['step_rate']:.2f}") if steps else ())
         t.add_row(str(h["process_index"]), f"{h['slice_index']}/{h['worker_id']}",
-                  h["state"] + (f" ({h['exit_code']})" if h["exit_code"] is not None else ""),
+                  h["state"] + (f" ({h['exit_code']})" if h["exit_code"] is not None else ""), *step,
                   "-" if h["since_last_s"] is None else f"{h['since_last_s']:.0f}s", (h["last_line"] or "")[:80])
     return t
 
 
 def _status_lines(doc: dict) -> list[str]:
-    lines = [f"run {doc['run_id']} {doc['state']} attempt={doc['attempt']} exit={doc['exit_code']}"]
+    def known(v: object) -> str:
+        return "-" if v is None else str(v)
+
+    lines = [f"run {doc['run_id']} {doc['state']} attempt={known(doc['attempt'])} exit={known(doc['exit_code'])}"]
     for a in doc["attempts"]:
         lines.append(f"attempt {a['index']}: {a['outcome']}: {a.get('who') or 'no host failed'}")
     for h in doc["hosts"]:
         since = "-" if h["since_last_s"] is None else f"{h['since_last_s']:.0f}s"
+        step = "" if h["step"] is None else f" step={h['step']}" + (
+            "" if h["step_rate"] is None else f" ({h['step_rate']:.2f}/s)")
         lines.append(f"host {h['process_index']} slice={h['slice_index']} worker={h['worker_id']} state={h['state']}"
-                     f" exit={h['exit_code']} since={since} last={h['last_line']!r}")
+                     f" exit={known(h['exit_code'])}{step} since={since} last={h['last_line']!r}")
     return lines
 
 

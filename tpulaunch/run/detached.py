@@ -327,7 +327,7 @@ class StatusFile:
         last = summary.attempts[-1].index if summary.attempts else 0
         hosts = tuple(HostView(h.process_index, h.slice_index, h.worker_id,
                                HostPhase.LOST if h.lost else HostPhase.STOPPED if h.stopped_by_tpulaunch else HostPhase.EXITED,
-                               h.exit_code, None, "", h.reason) for h in summary.hosts)
+                               h.exit_code, None, "", h.reason, h.step, h.step_rate) for h in summary.hosts)
         view = RunView(summary.run_id, state, last, hosts, attempts_brief(summary.attempts), exit_code=summary.exit_code,
                        note=summary.note)
         self.history = view.attempts
