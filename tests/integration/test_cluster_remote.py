@@ -127,16 +127,23 @@ def remote(tmp_path_factory):
         try:
             yield ctx
         finally:
-            left = [(pid, _cmdline(pid)) for pid in procs_of(temp_dir)]
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                for pid in procs_of(temp_dir):
-                    try:
-                        os.kill(pid, sig)
-                    except OSError:
-                        pass
-                time.sleep(2)
-            subprocess.run(["rm", "-rf", temp_dir, *glob.glob(temp_dir + "-vm*")], check=False)
+            left = end_leftovers([temp_dir])
             assert not left, f"cluster processes left behind: {left}"
+
+
+def end_leftovers(dirs: list[str]) -> list[tuple[int, str]]:
+    """After a module's cluster: what still runs in (or names) one of `dirs`, then ended, and the
+    dirs (and each fake worker's copy of them) removed. A test asserts the list is empty."""
+    left = [(pid, _cmdline(pid)) for d in dirs for pid in procs_of(d)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in [p for d in dirs for p in procs_of(d)]:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        time.sleep(1)
+    subprocess.run(["rm", "-rf", *dirs, *[c for d in dirs for c in glob.glob(d + "-vm*")]], check=False)
+    return left
 
 
 def up_args(ctx, *more: str) -> list[str]:

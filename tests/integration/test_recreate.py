@@ -11,10 +11,7 @@ rejoined, resumed from its checkpoint, exit 0); a budget spent (exit 75); a stoc
 
 from __future__ import annotations
 
-import glob
 import json
-import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -26,7 +23,7 @@ import pytest
 from fakes import closed_port, cli_env, run_cli
 from fakes.tpu_api_server import FakeTpuApi
 
-from test_cluster_remote import _cmdline, procs_of, ssh_commands
+from test_cluster_remote import _cmdline, end_leftovers, procs_of, ssh_commands
 
 ZONE = "us-central2-b"
 NAME = "rs-v4"
@@ -74,15 +71,7 @@ def cloud(tmp_path_factory):
             dirs = [temp_dir] + ([json.loads(rec.read_text())["temp_dir"]] if rec.exists() else [])
             if rec.exists():  # a test failed before its `cluster down`
                 run_cli("cluster", "down", env=env, timeout=120)
-            left = [(pid, _cmdline(pid)) for d in dirs for pid in procs_of(d)]
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                for pid in [p for d in dirs for p in procs_of(d)]:
-                    try:
-                        os.kill(pid, sig)
-                    except OSError:
-                        pass
-                time.sleep(1)
-            subprocess.run(["rm", "-rf", temp_dir, *glob.glob(temp_dir + "-vm*")], check=False)
+            left = end_leftovers(dirs)
             assert not left, f"cluster processes left behind: {left}"
 
 
