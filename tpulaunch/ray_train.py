@@ -41,7 +41,8 @@ from tpulaunch.discover.ray_labels import POD_TYPE, SLICE, TOPO, WORKER
 from tpulaunch.errors import ExitCode, LaunchError, TpulaunchError
 from tpulaunch.host import frameworks
 from tpulaunch.plan.env import host_env
-from tpulaunch.plan.launch import HostState, LaunchPlan, build_plan, default_compile_cache, new_run_id
+from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache, new_run_id
+from tpulaunch.plan.contract import HostState
 from tpulaunch.plan.mesh import parse_axes, plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 

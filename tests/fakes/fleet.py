@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from tpulaunch.host.protocol import HostOptions, PollReply, PreflightReport, PreflightRequest, Started
-from tpulaunch.plan.launch import HostState, LaunchPlan, build_plan
+from tpulaunch.plan.launch import LaunchPlan, build_plan
+from tpulaunch.plan.contract import HostState
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 from tpulaunch.plan.topology import resolve

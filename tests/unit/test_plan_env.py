@@ -17,7 +17,8 @@ import pytest
 from tpulaunch.host import frameworks
 from tpulaunch.plan import topology as T
 from tpulaunch.plan.env import host_env, split_env
-from tpulaunch.plan.launch import Endpoints, build_plan
+from tpulaunch.plan.launch import build_plan
+from tpulaunch.plan.contract import Endpoints
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 

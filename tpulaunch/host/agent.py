@@ -47,7 +47,8 @@ from tpulaunch.host.context import HEARTBEAT_ENV
 from tpulaunch.host.protocol import (AgentInfo, HostOptions, HostRun, PollReply, PreflightReport, PreflightRequest,
                                      Started)
 from tpulaunch.plan.env import split_env
-from tpulaunch.plan.launch import HostState, run_marker
+from tpulaunch.plan.launch import run_marker
+from tpulaunch.plan.contract import HostState
 
 # Variables Ray sets for sub-host TPU allocations; the plan decides these, not the actor's parent.
 # And what Ray gives its worker processes (this agent is one) that describe that worker, not the host.

@@ -13,7 +13,7 @@ from tpulaunch.errors import LaunchError
 from tpulaunch.plan.mesh import MeshPlan
 
 if TYPE_CHECKING:
-    from tpulaunch.plan.launch import HostState
+    from tpulaunch.plan.contract import HostState
 
 
 class RunContext:

@@ -20,7 +20,7 @@ What is pushed, and for whom:
 
 from __future__ import annotations
 
-from tpulaunch.plan.launch import HostState
+from tpulaunch.plan.contract import HostState
 
 
 def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:

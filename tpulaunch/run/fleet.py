@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 from tpulaunch.host.protocol import HostOptions, PollReply, PreflightReport, PreflightRequest, Started
-from tpulaunch.plan.launch import HostState
+from tpulaunch.plan.contract import HostState
 from tpulaunch.run.summary import Cause
 
 LOST_AFTER_S = 30.0  # an agent that answers no poll for this long is lost

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tpulaunch.errors import LaunchError
 
 if TYPE_CHECKING:
-    from tpulaunch.plan.launch import HostState
+    from tpulaunch.plan.contract import HostState
     from tpulaunch.plan.mesh import MeshPlan
     from tpulaunch.plan.topology import Topology
 

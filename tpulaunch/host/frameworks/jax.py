@@ -26,7 +26,7 @@ from tpulaunch import settings
 from tpulaunch.errors import LaunchError, MeshMismatchError
 
 if TYPE_CHECKING:
-    from tpulaunch.plan.launch import HostState
+    from tpulaunch.plan.contract import HostState
     from tpulaunch.plan.mesh import MeshPlan
     from tpulaunch.plan.topology import Topology
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tpulaunch.plan.launch import HostState
+    from tpulaunch.plan.contract import HostState
     from tpulaunch.plan.mesh import MeshPlan
     from tpulaunch.plan.topology import Topology
 

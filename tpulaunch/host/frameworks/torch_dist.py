@@ -24,7 +24,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from tpulaunch.plan.launch import HostState
+    from tpulaunch.plan.contract import HostState
 
 # The group's store listens on a port of its own (`group_address`), never MASTER_PORT: a script
 # that destroys it and makes its own group over env:// must not reach a listener that is closing.

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tpulaunch.errors import MeshMismatchError
 
 if TYPE_CHECKING:
-    from tpulaunch.plan.launch import HostState
+    from tpulaunch.plan.contract import HostState
     from tpulaunch.plan.mesh import MeshPlan
     from tpulaunch.plan.topology import Topology
 

@@ -29,7 +29,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from tpulaunch.plan.launch import HostState
+    from tpulaunch.plan.contract import HostState
 
 
 def _answer(original: Callable[..., Any], value: Any) -> Callable[..., Any]:
