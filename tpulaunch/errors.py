@@ -96,6 +96,10 @@ class CapacityError(DiscoveryError):
     """The Cloud TPU API would not create (or delete) a slice: quota, stockout, a bad request, a name taken."""
 
 
+class NameTakenError(CapacityError):
+    """The name is in use (409): asking again cannot help, unlike quota or stockout."""
+
+
 class NodeNotFoundError(DiscoveryError):
     """The named TPU node (or queued resource) does not exist where we looked."""
 

@@ -32,8 +32,12 @@ once, then the body one byte every 0.5 s, so no single socket read ever times ou
 from __future__ import annotations
 
 import copy
+import glob
 import json
+import os
 import re
+import shutil
+import signal
 import threading
 import time
 import zlib
@@ -689,12 +693,6 @@ def kill_workers(node_name: str) -> list[int]:
     """SIGKILL every process the fake gcloud started on a VM of `node_name` (they carry
     FAKE_GCLOUD_VM=project/zone/node/worker), then wipe those VMs' disks (their /tmp copies): what
     a preempted or deleted VM leaves behind is nothing."""
-    import glob
-    import os
-    import shutil
-    import signal
-    import zlib as _z
-
     _, project, _, zone, _, node_id = node_name.split("/")
     mark = f"FAKE_GCLOUD_VM={project}/{zone}/{node_id}/".encode()
     killed = []
@@ -714,7 +712,7 @@ def kill_workers(node_name: str) -> list[int]:
     end = time.monotonic() + 10
     while killed and time.monotonic() < end and any(_alive(p) for p in killed):
         time.sleep(0.05)
-    tag = f"-vm{_z.crc32(node_id.encode()) & 0xFFFF:04x}-"
+    tag = f"-vm{zlib.crc32(node_id.encode()) & 0xFFFF:04x}-"  # the fake gcloud's vm_tmp() names them so
     for d in glob.glob(f"/tmp/*{tag}*"):
         shutil.rmtree(d, ignore_errors=True)
     return killed

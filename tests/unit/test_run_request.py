@@ -176,3 +176,10 @@ def test_bad_numbers_are_one_line_and_exit_2(workdir, args, needle):
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_recreate_on_an_emulated_slice_is_refused_before_anything_starts(workdir):
+    proc = invoke("run", "args.py", "--topology", "2x8", "--recreate", "--max-preemptions", "1", "--dry-run",
+                  cwd=workdir)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--recreate makes real slices again through the Cloud TPU API" in " ".join(proc.stderr.split())

@@ -224,16 +224,10 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     target = run.find_cluster(req)
     remote = target.cluster is not None and not run.is_local(target.cluster)
     on_slice = target.cluster is not None and (target.cluster.remote or {}).get("head") == "worker-0"
-    if req.recreate:  # refused here, before anything is submitted or started
+    if req.recreate and (detach or remote or dry_run):  # a run launched here is checked by launch(), once
         from tpulaunch.run import recreate
 
-        why = recreate.refusal(target.cluster, target.cluster is None or target.cluster.emulated)
-        if why:
-            raise LaunchError(why, "")
-        if not req.max_preemptions:
-            raise LaunchError("--recreate without --max-preemptions: no preemption would be survived",
-                              "add --max-preemptions N (each re-creation counts as one)")
-        recreate.check_recreatable(target.cluster)
+        recreate.check(target.cluster, target.cluster is None or target.cluster.emulated, req.max_preemptions)
     if on_slice and req.max_preemptions and target.cluster is not None:
         out.warn(f"the Ray head runs on worker 0 of TPU '{target.cluster.remote['tpu']}': a preemption of that worker"
                  " ends the run whatever --max-preemptions allows; `tpulaunch cluster up --tpu NAME --head local`"

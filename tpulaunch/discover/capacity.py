@@ -14,13 +14,15 @@ every change of state.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 from tpulaunch.discover.tpu_api import TpuApi
-from tpulaunch.errors import CapacityError, NodeNotFoundError
+from tpulaunch.errors import CapacityError, NameTakenError, NodeNotFoundError
 from tpulaunch.plan import topology as topo_mod
 
 # AcceleratorConfig.Type of the v2 API per generation (v7x is not offered through this API: GKE only).
@@ -55,7 +57,7 @@ class SliceOrder:
 
     @property
     def qr_name(self) -> str:
-        return f"{self.parent}/queuedResources/{self.name}"
+        return qr_path(self.project, self.zone, self.name)
 
     def node_names(self) -> list[str]:
         return [self.name] if self.num_slices == 1 else [f"{self.name}-{i}" for i in range(self.num_slices)]
@@ -66,8 +68,6 @@ class SliceOrder:
 
 def check_order(order: SliceOrder) -> SliceOrder:
     """The order with its accelerator checked against the catalog and the API (one line if not)."""
-    import re
-
     if not re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", order.name):
         raise CapacityError(f"'{order.name}' is not a name the Cloud TPU API accepts",
                             "use lowercase letters, digits and dashes, starting with a letter (at most 63)")
@@ -129,8 +129,6 @@ class QrState:
 
 
 def _state(qr) -> QrState:  # noqa: ANN001 - tpu_v2.QueuedResource
-    import json
-
     from google.cloud import tpu_v2
 
     doc = json.loads(tpu_v2.QueuedResource.to_json(qr, use_integers_for_enums=False))
@@ -140,9 +138,13 @@ def _state(qr) -> QrState:  # noqa: ANN001 - tpu_v2.QueuedResource
     return QrState(doc.get("name", ""), st.get("state") or "STATE_UNSPECIFIED", st.get("stateInitiator"), err, body)
 
 
+def qr_path(project: str, zone: str, name: str) -> str:
+    return f"projects/{project}/locations/{zone}/queuedResources/{name}"
+
+
 def get(project: str, zone: str, name: str, timeout: float | None = None) -> QrState | None:
     """The queued resource `name`, or None if there is none."""
-    full = f"projects/{project}/locations/{zone}/queuedResources/{name}"
+    full = qr_path(project, zone, name)
     api = TpuApi(timeout=timeout)
     try:
         return api.run(lambda a: _state(a.get_queued_resource(full)))
@@ -170,7 +172,7 @@ def create(order: SliceOrder, body: dict | None = None, timeout: float | None = 
 
 def delete(project: str, zone: str, name: str, timeout: float | None = None) -> bool:
     """Delete the queued resource and its nodes (force); False if there was none."""
-    full = f"projects/{project}/locations/{zone}/queuedResources/{name}"
+    full = qr_path(project, zone, name)
     api = TpuApi(timeout=timeout)
 
     def op(a: TpuApi) -> bool:
@@ -184,10 +186,10 @@ def delete(project: str, zone: str, name: str, timeout: float | None = None) -> 
         return False
 
 
-def wait_active(project: str, zone: str, name: str, deadline_s: float, progress: Progress | None = None,
-                first_poll_s: float = 0.5, max_poll_s: float = 5.0) -> QrState:
-    """Until the queued resource is ACTIVE; every change of state is reported. Raises on FAILED,
-    SUSPENDED, a missing QR, or the deadline (saying the last state)."""
+def follow(project: str, zone: str, name: str, deadline_s: float, progress: Progress | None = None,
+           first_poll_s: float = 0.5, max_poll_s: float = 5.0) -> QrState:
+    """Poll the queued resource, reporting every change of state, until it is ACTIVE, SUSPENDED or
+    FAILED, or `deadline_s` ran out: returns the state it was last in. Raises if it is gone."""
     say = progress or (lambda _m: None)
     end = time.monotonic() + deadline_s
     last, poll = None, first_poll_s
@@ -198,31 +200,43 @@ def wait_active(project: str, zone: str, name: str, deadline_s: float, progress:
         if st.state != last:
             say(f"queued resource {name}: {st.state}" + (f" ({st.error})" if st.error else ""))
             last = st.state
-        if st.state == "ACTIVE":
-            return st
-        if st.state in GONE_BAD:
-            why = f": {st.error}" if st.error else ""
-            raise CapacityError(f"queued resource '{name}' is {st.state}{why}",
-                                "delete it and create it again (`tpulaunch slice delete`, `slice create`)")
         left = end - time.monotonic()
-        if left <= 0:
-            hint = ("the zone has no capacity for it now: wait longer (--timeout), or try another zone or tier"
-                    if st.state == "WAITING_FOR_RESOURCES" else "wait longer (--timeout)")
-            raise CapacityError(f"queued resource '{name}' is still {st.state} after {deadline_s:.0f} s", hint)
+        if st.state == "ACTIVE" or st.state in GONE_BAD or left <= 0:
+            return st
         time.sleep(min(poll, left))
         poll = min(max_poll_s, poll * 1.5)
+
+
+def not_active(name: str, st: QrState, deadline_s: float) -> CapacityError:
+    """Why a queued resource that `follow` returned is not ACTIVE, in one line."""
+    if st.state in GONE_BAD:
+        why = f": {st.error}" if st.error else ""
+        return CapacityError(f"queued resource '{name}' is {st.state}{why}",
+                             "delete it and create it again (`tpulaunch slice delete`, `slice create`)")
+    hint = ("the zone has no capacity for it now: wait longer (--timeout), or try another zone or tier"
+            if st.state == "WAITING_FOR_RESOURCES" else "wait longer (--timeout)")
+    return CapacityError(f"queued resource '{name}' is still {st.state} after {deadline_s:.0f} s", hint)
+
+
+def wait_active(project: str, zone: str, name: str, deadline_s: float, progress: Progress | None = None) -> QrState:
+    """Until the queued resource is ACTIVE; every change of state is reported. Raises on FAILED,
+    SUSPENDED, a missing QR, or the deadline (saying the last state)."""
+    st = follow(project, zone, name, deadline_s, progress)
+    if st.state != "ACTIVE":
+        raise not_active(name, st, deadline_s)
+    return st
 
 
 def recreate(project: str, zone: str, name: str, deadline_s: float, progress: Progress | None = None,
              retry_s: float | None = None) -> tuple[QrState, dict[str, float]]:
     """Delete the queued resource and create it again from the spec it was created with, then
-    wait until ACTIVE, all within `deadline_s`; a refusal for capacity (quota, stockout) is retried
-    until then (every 10 s, or a sixth of a shorter deadline, so it is asked several times).
+    wait until ACTIVE, all within `deadline_s`. A refusal for capacity (quota) and a request that
+    turned FAILED (stockout: the service gave up) are asked again until then (every 10 s, or a
+    sixth of a shorter deadline, so it is asked several times); a name in use is not.
     Returns the new state and how long each step took."""
     say = progress or (lambda _m: None)
     retry_s = retry_s if retry_s is not None else min(10.0, max(1.0, deadline_s / 6))
     end = time.monotonic() + deadline_s
-    took: dict[str, float] = {}
     old = get(project, zone, name)
     if old is None or not old.body:
         raise CapacityError(f"queued resource '{name}' is gone and nothing records how it was created",
@@ -230,31 +244,31 @@ def recreate(project: str, zone: str, name: str, deadline_s: float, progress: Pr
     t = time.monotonic()
     say(f"queued resource {name} is {old.state}: deleting it")
     delete(project, zone, name)
-    took["delete_s"] = time.monotonic() - t
-    t = time.monotonic()
+    took = {"delete_s": time.monotonic() - t, "create_s": 0.0, "provision_s": 0.0}
     order = SliceOrder(name=name, project=project, zone=zone, accelerator_type="")
     while True:
+        t = time.monotonic()
         try:
             say(f"creating queued resource {name} again (the spec it was created with)")
             create(order, body=old.body)
-            break
+        except NameTakenError:
+            raise
         except CapacityError as e:
-            if "already exists" in e.message or time.monotonic() + retry_s >= end:
+            if time.monotonic() + retry_s >= end:
                 raise
             say(f"{e.message}; retrying in {retry_s:.0f} s")
             time.sleep(retry_s)
-    took["create_s"] = time.monotonic() - t
-    t = time.monotonic()
-    while True:
-        try:
-            st = wait_active(project, zone, name, max(1.0, end - time.monotonic()), say)
-            break
-        except CapacityError as e:
-            if "FAILED" not in e.message or time.monotonic() + retry_s >= end:
-                raise
-            say(f"{e.message}; deleting and asking again in {retry_s:.0f} s")  # the valid-until interval ran out
-            time.sleep(retry_s)
-            delete(project, zone, name)
-            create(order, body=old.body)
-    took["provision_s"] = time.monotonic() - t
-    return st, took
+            took["create_s"] += time.monotonic() - t
+            continue
+        took["create_s"] += time.monotonic() - t
+        t = time.monotonic()
+        st = follow(project, zone, name, max(1.0, end - time.monotonic()), say)
+        if st.state == "ACTIVE":
+            took["provision_s"] += time.monotonic() - t
+            return st, took
+        if st.state != "FAILED" or time.monotonic() + retry_s >= end:
+            raise not_active(name, st, deadline_s)
+        say(f"{not_active(name, st, deadline_s).message}; deleting and asking again in {retry_s:.0f} s")
+        time.sleep(retry_s)
+        delete(project, zone, name)
+        took["provision_s"] += time.monotonic() - t

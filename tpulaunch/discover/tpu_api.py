@@ -30,6 +30,7 @@ from tpulaunch.errors import (
     ApiUnreachableError,
     CredentialsError,
     DiscoveryError,
+    NameTakenError,
     NodeNotFoundError,
     SliceNotReadyError,
     TopologyError,
@@ -274,7 +275,7 @@ class TpuApi:
         if isinstance(e, core.NotFound):
             return NodeNotFoundError(f"{resource} not found", "check the name and --zone/--project")
         if isinstance(e, core.Conflict):
-            return CapacityError(f"{_short(resource)} already exists", "delete it first (tpulaunch slice delete NAME), or pick"
+            return NameTakenError(f"{_short(resource)} already exists", "delete it first (tpulaunch slice delete NAME), or pick"
                                  " another name")
         if isinstance(e, core.TooManyRequests):  # 429 quota on the call, or RESOURCE_EXHAUSTED (8) in the operation
             return CapacityError(f"the Cloud TPU API has no room for {_short(resource)}: {_service_text(e)}",

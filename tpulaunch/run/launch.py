@@ -107,10 +107,7 @@ def launch(prep: Prepared, sink: Sink, connection: Connection | None = None, *, 
     """Get a cluster, run the attempts, clean up; returns (and writes) the run's summary."""
     plan, req = prep.plan, prep.request
     if req.recreate:  # refused before anything starts: no head to survive the slice, nothing to re-create
-        why = recreate.refusal(prep.cluster, plan.emulated)
-        if why:
-            raise LaunchError(why, "")
-        recreate.check_recreatable(prep.cluster)
+        recreate.check(prep.cluster, plan.emulated, req.max_preemptions)
     paths = RunPaths.of(plan.job.log_dir)
     paths.root.mkdir(parents=True, exist_ok=True)
     conn = connection or Connection(Target(prep.cluster), prep.runtime_env)

@@ -65,17 +65,24 @@ def refusal(cluster: ClusterInfo | None, emulated: bool) -> str | None:
     return None
 
 
-def check_recreatable(cluster: ClusterInfo) -> SliceSpec:
-    """The slice as the API knows it now; refuses (one line) a slice with no queued resource or no
-    credentials to ask."""
+def check(cluster: ClusterInfo | None, emulated: bool, max_preemptions: int) -> None:
+    """Refuse (one line) a `--recreate` that cannot work, before anything starts: the rules
+    (`refusal`), a budget, and the API's word that the slice has a queued resource to make again
+    (credentials included)."""
     from tpulaunch import discover
 
-    r = cluster.remote or {}
+    why = refusal(cluster, emulated)
+    if why:
+        raise LaunchError(why, "")
+    if not max_preemptions:
+        raise LaunchError("--recreate without --max-preemptions: no preemption would be survived",
+                          "add --max-preemptions N (each re-creation counts as one)")
+    assert cluster is not None and cluster.remote  # refusal() said so
+    r = cluster.remote
     spec = discover.describe_node(r["tpu"], zone=r["zone"], project=r["project"])
     if not spec.queued_resource:
         raise LaunchError(f"TPU '{spec.name}' was not created through a queued resource: nothing records how to make"
                           " it again", "create it with `tpulaunch slice create NAME ... --spot`, or run without --recreate")
-    return spec
 
 
 def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
@@ -91,8 +98,7 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
     r = cluster.remote or {}
     project, zone = r["project"], r["zone"]
     done: list[Recreation] = []
-    slices = [SliceSpec.from_dict(d) for d in cluster.slices]
-    for i, spec in enumerate(slices):
+    for i, spec in enumerate([SliceSpec.from_dict(d) for d in cluster.slices]):
         if spec.name not in lost:
             continue
         qr = (spec.queued_resource or "").rsplit("/", 1)[-1]
@@ -121,9 +127,8 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
         info = rs.up(progress=lambda w, s, name=spec.name: say(f"slice {name} worker {w}: {s}"), replaced=True,
                      replaced_wait_s=max(1.0, end - time.monotonic()))
         rec.steps["setup_join_s"] = time.monotonic() - t
-        slices[i] = fresh
         cluster.slices[i] = fresh.to_dict()
         cluster.address = info.address
         save_record(cluster)  # the record follows the new VMs (status, down, the next re-creation)
         done.append(rec)
-    return done, slices
+    return done, [SliceSpec.from_dict(d) for d in cluster.slices]
