@@ -4,9 +4,11 @@ Cloud TPU API (node PREEMPTED, its VMs' processes killed and disks wiped, the qu
 SUSPENDED) while the fake gcloud runs every worker on this machine. Ray is real; the product talks
 to the fakes with its production client code.
 
-One cluster lifecycle for the module, in order: a preemption the run survives (re-created, set up,
-rejoined, resumed from its checkpoint, exit 0); a budget spent (exit 75); a stockout on re-create
-(exit 75 with the service's reason); `cluster down` leaves nothing behind.
+In order: on a one-slice cluster, a preemption the run survives (re-created, set up, rejoined,
+resumed from its checkpoint, exit 0) and a budget spent (exit 75); then a cluster of two slices
+(`cluster up --tpu A --tpu B --head local`), where a multislice run loses one slice and only that
+one is made again, and a stockout on re-create (exit 75 with the service's reason); `cluster down`
+leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ ctx = tpulaunch.context()
 ckpt = os.path.join(os.environ["CKPT_DIR"], f"host-{ctx.process_index}.json")
 step = json.load(open(ckpt))["step"] if os.path.exists(ckpt) else 0
 print(f"attempt {ctx.restart_count} host {ctx.process_index} starts at step {step}", flush=True)
+print(f"host {ctx.process_index} is slice {os.environ.get('MEGASCALE_SLICE_ID', '-')}"
+      f" of {os.environ.get('MEGASCALE_NUM_SLICES', '1')}", flush=True)
 stop = step + int(os.environ.get("STEPS_AFTER_RESUME", "6")) if step else 10_000
 while step < stop:
     time.sleep(0.3)
@@ -196,30 +200,89 @@ def test_the_budget_counts_recreations(cluster):
     assert "preemption budget" in final["note"] or "--max-preemptions" in final["note"], final["note"]
 
 
+MS = ("ms-a", "ms-b")  # two one-host spot slices, each made by its own queued resource
+
+
+def test_a_multislice_run_recreates_only_the_preempted_slice(cluster):
+    cloud, api = cluster, cluster["api"]
+    # the run before ended with the one slice preempted: take that cluster down, bring up two slices
+    down = cli(cloud, "cluster", "down", "--json", timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert cli(cloud, "slice", "delete", NAME, "--zone", ZONE, "--project", "p").returncode == 0
+    for name in MS:
+        made = cli(cloud, "slice", "create", name, "--accelerator", "v4-8", "--spot", "--wait", "--zone", ZONE,
+                   "--project", "p")
+        assert made.returncode == 0, made.stderr
+    (cloud["base"] / "setup-runs.txt").unlink()
+    up = cli(cloud, "cluster", "up", "--tpu", MS[0], "--tpu", MS[1], "--zone", ZONE, "--project", "p", "--head",
+             "local", "--head-ip", "127.0.0.2", "--port", str(cloud["port"]), "--ray-temp-dir", cloud["temp_dir"],
+             "--setup-script", str(cloud["base"] / "setup.sh"), "--json")
+    assert up.returncode == 0, up.stderr
+    doc = json.loads(up.stdout)
+    assert doc["remote"]["tpus"] == list(MS) and [s["name"] for s in doc["slices"]] == list(MS)
+    cloud["head_dir"] = json.loads((Path(cloud["env"]["TPULAUNCH_HOME"]) / "cluster.json").read_text())["temp_dir"]
+    status = json.loads(cli(cloud, "cluster", "status", "--json").stdout)
+    assert sorted(s["name"] for s in status["slices"]) == list(MS)
+    a_raylet = _raylets(cloud["temp_dir"] + f"-vm{_vm_tag(MS[0])}-0")
+    assert len(a_raylet) == 1, "slice ms-a's VM runs no raylet"
+
+    run_id = submit(cloud, "--num-slices", "2", "--max-preemptions", "1", "--preemption-wait", "240")
+    wait_for_checkpoints(cloud, run_id)
+    mark = len(api.events)
+    preempt(cloud, MS[1])
+    wait = cli(cloud, "wait", run_id, "--json", timeout=400)
+    log = cli(cloud, "logs", run_id, timeout=60).stdout
+    assert wait.returncode == 0, wait.stdout + wait.stderr + log[-4000:]
+    final = json.loads(wait.stdout)
+    assert [a["outcome"] for a in final["attempts"]] == ["preempted", "ok"]
+    (rec,) = final["attempts"][0]["recreated"]
+    assert rec["slice"] == MS[1] and rec["queued_resource"] == MS[1]
+    # only ms-b was deleted and made again; ms-a's VM and its Ray processes were left alone
+    assert api.events[mark:] == [f"preempt {MS[1]}", f"delete {MS[1]}", f"create {MS[1]}"]
+    assert _raylets(cloud["temp_dir"] + f"-vm{_vm_tag(MS[0])}-0") == a_raylet
+    assert sorted((cloud["base"] / "setup-runs.txt").read_text().splitlines()) == ["setup worker 0"] * 3
+    for w in (0, 1):  # a two-slice run, both attempts, each host resumed from its own checkpoint
+        assert f"host {w} is slice {w} of 2" in log and f"attempt 1 host {w} starts at step" in log
+        assert f"host {w} done at step" in log
+    assert f"slice {MS[1]}: ACTIVE again" in log and f"slice {MS[0]}: ACTIVE again" not in log
+
+
+def _raylets(temp_dir: str) -> list[int]:
+    def argv0(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            return ""
+
+    return sorted(p for p in procs_of(temp_dir) if argv0(p).endswith("/raylet"))
+
+
+def _vm_tag(name: str) -> str:
+    """The fake gcloud's per-VM suffix of /tmp paths (tests/fakes/bin/gcloud `vm_tmp`)."""
+    import zlib
+
+    return f"{zlib.crc32(name.encode()) & 0xFFFF:04x}"
+
+
 def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
     cloud = cluster
-    # the run before ended with the slice preempted: bring it back by hand, as a person would
-    for args in (["slice", "delete", NAME], ["slice", "create", NAME, "--accelerator", "v4-16", "--spot", "--wait"]):
-        done = cli(cloud, *args, "--zone", ZONE, "--project", "p")
-        assert done.returncode == 0, done.stderr
-    again = cli(cloud, "cluster", "up", "--tpu", NAME, "--zone", ZONE, "--project", "p", "--head", "local",
-                "--head-ip", "127.0.0.2", "--port", str(cloud["port"]), "--ray-temp-dir", cloud["temp_dir"],
-                "--setup-script", str(cloud["base"] / "setup.sh"))
-    assert again.returncode == 0, again.stderr
-    run_id = submit(cloud, "--max-preemptions", "1", "--preemption-wait", "10")
+    run_id = submit(cloud, "--num-slices", "2", "--max-preemptions", "1", "--preemption-wait", "10")
     wait_for_checkpoints(cloud, run_id, step=2)
     cloud["api"].set_capacity(stockout=True)
-    preempt(cloud, NAME)
+    preempt(cloud, MS[0])
     wait = cli(cloud, "wait", run_id, "--json", timeout=300)
     assert wait.returncode == 75, wait.stdout + wait.stderr
     final = json.loads(wait.stdout)
     assert "There is no more capacity in the zone" in final["note"], final["note"]
     assert "--preemption-wait 10" in final["note"]
     creates_after = [e for e in cloud["api"].events[cloud["api"].events.index("stockout True"):] if e.startswith("create")]
-    assert len(creates_after) >= 2  # asked again after the first request failed
-    down = cli(cloud, "cluster", "down", "--json", timeout=120)  # the slice is gone: down still ends the head
+    assert len(creates_after) >= 2 and set(creates_after) == {f"create {MS[0]}"}  # asked again; ms-b left alone
+    down = cli(cloud, "cluster", "down", "--json", timeout=120)  # ms-a is gone: down still ends ms-b and the head
     assert down.returncode == 0, down.stderr
     hosts = json.loads(down.stdout)["hosts"]
-    assert hosts["0"]["gone"] and hosts["1"]["gone"] and hosts["head"]["stopped"] > 0
+    assert hosts[f"{MS[0]}/0"]["gone"] and not hosts[f"{MS[1]}/0"].get("gone") and hosts[f"{MS[1]}/0"]["stopped"] > 0
+    # (on this one machine ms-b's stop, which ends every process carrying the cluster's id, also
+    # reaches the head's: what matters is that the head's stop ran and nothing is left)
+    assert "head" in hosts and hosts["head"]["left"] == []
     left = [(pid, _cmdline(pid)) for pid in procs_of(cloud["temp_dir"]) + procs_of(cloud["head_dir"])]
     assert left == [] and not Path(cloud["head_dir"]).exists()

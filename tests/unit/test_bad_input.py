@@ -115,6 +115,14 @@ def test_ports_outside_the_range(home):
         assert "Invalid value for '--port'" in line
 
 
+def test_several_tpus_need_the_head_off_the_slices_and_each_tpu_once(home):
+    env = cli_env(TPULAUNCH_HOME=str(home))
+    line = one_line(invoke("cluster", "up", "--tpu", "a", "--tpu", "b", env=env), ExitCode.USAGE)
+    assert "2 TPUs with the Ray head on worker 0 of a" in line and "--head local" in line
+    line = one_line(invoke("cluster", "up", "--tpu", "a", "--tpu", "a", "--head", "local", env=env), ExitCode.USAGE)
+    assert "--tpu names a TPU twice" in line
+
+
 def test_empty_commands(work, home):
     env = cli_env(TPULAUNCH_HOME=str(home))
     line = one_line(invoke("exec", "--topology", "2x8", "--", "", cwd=work, env=env), ExitCode.USAGE)

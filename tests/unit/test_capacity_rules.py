@@ -13,7 +13,7 @@ from tpulaunch.plan.launch import build_plan
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 from tpulaunch.plan.topology import resolve
-from tpulaunch.run.recreate import must_recreate, refusal
+from tpulaunch.run.recreate import in_run_order, must_recreate, qr_id, refusal
 
 P = "projects/p/locations/us-central2-b"
 
@@ -106,3 +106,17 @@ def test_a_plan_follows_a_recreated_slice_to_its_new_addresses():
     with pytest.raises(LaunchError):
         plan.on_slices([SliceSpec(name="other", accelerator_type="v4-16", topology=topo.topology, source="x",
                                   workers=spec(["1.1.1.1", "1.1.1.2"]).workers)])
+
+
+def test_a_multislice_run_keeps_its_slice_order_when_one_slice_is_made_again():
+    def spec(name, index, ip):
+        return SliceSpec(name=name, accelerator_type="v4-8", topology="2x2x1", source="ray", slice_index=index,
+                         workers=(WorkerEndpoint(0, ip),))
+
+    run = (spec("b", 0, "10.0.0.2"), spec("a", 1, "10.0.0.3"))  # the run's own order, not the cluster's
+    now = [spec("a", 0, "10.0.0.3"), spec("b", 1, "10.9.0.2")]  # the cluster's record after b came back
+    moved = in_run_order(run, now)
+    assert [(s.name, s.slice_index, s.workers[0].ip) for s in moved] == [("b", 0, "10.9.0.2"), ("a", 1, "10.0.0.3")]
+    assert qr_id(SliceSpec(name="b", accelerator_type="v4-8", topology="2x2x1", source="tpu-api",
+                           queued_resource="projects/p/locations/z/queuedResources/qr-b")) == "qr-b"
+    assert qr_id(spec("a", 0, "10.0.0.3")) == ""

@@ -37,7 +37,9 @@ def up(
                                         " to 127.0.0.1; token auth on)."),
     prewarm: str = typer.Option("torch_xla", "--prewarm",
                                 help="Leave a spare process with this framework imported on every host: torch_xla, jax, none."),
-    tpu: Optional[str] = typer.Option(None, "--tpu", help="A real TPU VM slice (node name): bring Ray up on its workers over gcloud ssh."),
+    tpu: Optional[list[str]] = typer.Option(None, "--tpu",
+                                            help="A real TPU VM slice (node name): bring Ray up on its workers over gcloud"
+                                                 " ssh. Repeat it for a multislice cluster (with --head local)."),
     zone: Optional[str] = opt.ZONE,
     project: Optional[str] = opt.PROJECT,
     port: int = typer.Option(remote.RAY_PORT_DEFAULT, "--port", min=1, max=65535,

@@ -27,24 +27,33 @@ REMOTE_PYTHON_DEFAULT = "python3"
 
 
 class HostProgress:
-    """Each host's state: a rich status line listing all hosts on a terminal, plain lines piped."""
+    """Each host's state: a rich status line listing all hosts on a terminal, plain lines piped.
+
+    One slice's hosts are `w0`, `w1` (`worker 0` piped); a cluster of several slices names each
+    host with its slice (`for_slice`)."""
 
     def __init__(self, out: Output, status, n: int) -> None:
         self.out, self.st = out, status
-        self.states = {w: "waiting" for w in range(n)}
+        self.states: dict[str, str] = {f"w{w}": "waiting" for w in range(n)}
         self.lock = threading.Lock()
 
-    def __call__(self, worker: int, state: str) -> None:
+    def __call__(self, worker: int, state: str, slice_name: str | None = None) -> None:
         """`worker` HEAD (-1) is a head off the slice (`--head local`)."""
         from tpulaunch.cluster.remote import HEAD
 
+        short = "head" if worker == HEAD else (f"{slice_name}/w{worker}" if slice_name else f"w{worker}")
         with self.lock:
-            self.states[worker] = state
+            self.states[short] = state
             if self.st is not None:
-                self.st.update("  ".join(f"{'head' if w == HEAD else f'w{w}'}: {s}"
-                                         for w, s in sorted(self.states.items())))
+                self.st.update("  ".join(f"{k}: {v}" for k, v in self.states.items()))
             else:
-                self.out.info(f"{'head' if worker == HEAD else f'worker {worker}'}: {state}")
+                long = "head" if worker == HEAD else (f"{slice_name} worker {worker}" if slice_name
+                                                      else f"worker {worker}")
+                self.out.info(f"{long}: {state}")
+
+    def for_slice(self, name: str | None):  # noqa: ANN201 - a remote.Progress
+        """The progress callback of one slice's hosts (`name` None: the cluster has one slice)."""
+        return self if name is None else (lambda worker, state: self(worker, state, name))
 
 
 def setup_text(command: str | None, script: Path | None) -> str | None:
@@ -62,25 +71,33 @@ def setup_text(command: str | None, script: Path | None) -> str | None:
     return command
 
 
-def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, port: int, python: str,
+def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | None, *, port: int, python: str,
               temp_dir: str | None, dashboard: bool, topology: str | None, accelerator: str | None,
               json_out: bool, head: str = "worker-0", head_ip: str | None = None, setup: str | None = None) -> None:
+    """Ray on the workers of one TPU or several (a multislice cluster: one head off the slices,
+    every slice's workers joined to it)."""
     from tpulaunch import discover
     from tpulaunch.cluster import ownership
     from tpulaunch.cluster.ports import free_port
-    from tpulaunch.cluster.remote import LocalHead, RemoteSlice, route_ip
+    from tpulaunch.cluster.remote import LocalHead, RemoteSlice, route_ip, tpu_names
 
     if head not in ("worker-0", "local"):
         raise TpulaunchError(f"--head {head} is neither worker-0 nor local", "--head local puts the Ray head here")
+    if len(set(tpus)) != len(tpus):
+        raise TpulaunchError(f"--tpu names a TPU twice ({', '.join(tpus)})", "give each slice once")
+    if len(tpus) > 1 and head != "local":
+        raise TpulaunchError(f"{len(tpus)} TPUs with the Ray head on worker 0 of {tpus[0]}: a preemption of that one"
+                             " slice would end the cluster of all of them", "add --head local (the head here, off the slices)")
     rec = load_record()
     if rec is not None and rec.emulated and rec.running_here:
         raise ClusterError(f"an emulated cluster is up at {rec.address}", "stop it first with `tpulaunch cluster down`")
-    spec = discover.describe_node(tpu, zone=zone, project=project)
-    discover.check_matches(spec, topology, accelerator)
-    discover.check_ready(spec, force=False)
-    if rec is not None and rec.remote and (rec.remote["tpu"], rec.remote["zone"], rec.remote["project"]) != (
-            spec.name, spec.zone, spec.project):
-        raise ClusterError(f"a cluster on TPU '{rec.remote['tpu']}' is recorded as up",
+    specs = [discover.describe_node(t, zone=zone, project=project) for t in tpus]
+    for spec in specs:
+        discover.check_matches(spec, topology, accelerator)
+        discover.check_ready(spec, force=False)
+    if rec is not None and rec.remote and (tpu_names(rec.remote), rec.remote["zone"], rec.remote["project"]) != (
+            [s.name for s in specs], specs[0].zone, specs[0].project):
+        raise ClusterError(f"a cluster on TPU {', '.join(tpu_names(rec.remote))} is recorded as up",
                            "stop it first with `tpulaunch cluster down`")
     local = None
     if head == "local":
@@ -89,31 +106,40 @@ def up_remote(out: Output, tpu: str, zone: str | None, project: str | None, *, p
             local = LocalHead(ip=rec.remote["head_ip"], temp_dir=rec.temp_dir, dashboard_port=int(rec.remote["dashboard_port"]),
                               python=rec.remote.get("head_python") or sys.executable)
         else:
-            ip = head_ip or route_ip(spec.workers[0].ip)
+            ip = head_ip or route_ip(specs[0].workers[0].ip)
             local = LocalHead(ip=ip, temp_dir="", dashboard_port=free_port(), python=sys.executable)
-    rs = RemoteSlice(spec, port=port, temp_dir=temp_dir, python=python, dashboard=dashboard, head=local,
-                     setup=setup if setup is not None else (rec.remote.get("setup") if rec and rec.remote else None))
+    setup = setup if setup is not None else (rec.remote.get("setup") if rec and rec.remote else None)
+    first = RemoteSlice(specs[0], port=port, temp_dir=temp_dir, python=python, dashboard=dashboard, head=local, setup=setup)
     if local is not None and not local.temp_dir:
         from dataclasses import replace
 
         from tpulaunch.cluster.remote import cluster_id_of, ensure_token
 
-        _path, token, _created = ensure_token(rs.key)
-        rs.head = replace(local, temp_dir=ownership.make_temp_dir(cluster_id_of(token)))
-    n = len(spec.workers)
-    # the same TPU with other addresses: its VMs were re-created (after a preemption) since the record
-    replaced = bool(rec and rec.remote and rec.remote["tpu"] == spec.name and rec.slices
-                    and [w["ip"] for w in rec.slices[0].get("workers", [])] != [w.ip for w in spec.workers])
-    with out.status(f"bringing up Ray on {n} host(s) of {spec.name} ...") as st:
-        info = rs.up(progress=HostProgress(out, st, n), replaced=replaced)
+        _path, token, _created = ensure_token(first.key)
+        local = first.head = replace(local, temp_dir=ownership.make_temp_dir(cluster_id_of(token)))
+    slices = [first] + [RemoteSlice(s, port=port, temp_dir=first.temp_dir, python=python, dashboard=dashboard, head=local,
+                                    setup=setup, key=first.key) for s in specs[1:]]
+    before = {s["name"]: [w["ip"] for w in s.get("workers", [])] for s in (rec.slices if rec and rec.remote else [])}
+    n = sum(len(s.workers) for s in specs)
+    infos = []
+    with out.status(f"bringing up Ray on {n} host(s) of {', '.join(tpus)} ...") as st:
+        progress = HostProgress(out, st, n if len(specs) == 1 else 0)
+        for rs in slices:
+            # the same TPU with other addresses: its VMs were re-created (after a preemption) since the record
+            replaced = rs.spec.name in before and before[rs.spec.name] != [w.ip for w in rs.spec.workers]
+            infos.append(rs.up(progress=progress.for_slice(rs.spec.name if len(specs) > 1 else None), replaced=replaced))
+    info = infos[0]
+    info.slices = [i.slices[0] for i in infos]
+    assert info.remote is not None
+    info.remote["tpus"] = [s.name for s in specs]
     save_record(info)
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,
                   "slices": info.slices, "token_path": info.token_path, "remote": info.remote})
     else:
         where = "the head here (off the slice)" if local else "the head on worker 0"
-        out.line(f"cluster up at {info.address} on TPU {spec.name} ({spec.accelerator_type}, {n} hosts, {where};"
-                 f" token auth on; token in {info.token_path})")
+        what = ", ".join(f"{s.name} ({s.accelerator_type}, {len(s.workers)} hosts)" for s in specs)
+        out.line(f"cluster up at {info.address} on TPU {what}; {where}; token auth on; token in {info.token_path}")
 
 
 def status_doc_remote(info: ClusterInfo) -> dict:
@@ -138,15 +164,20 @@ def status_doc_remote(info: ClusterInfo) -> dict:
 
 
 def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
-    from tpulaunch.cluster.remote import RemoteSlice
+    from tpulaunch.cluster.remote import recorded_slices
 
-    rs = RemoteSlice.from_record(rec)
-    n = len(rs.spec.workers)
-    with out.status(f"stopping Ray on {n} host(s) of {rs.spec.name} ...") as st:
-        results = rs.down(progress=HostProgress(out, st, n))
+    slices = recorded_slices(rec)
+    many = len(slices) > 1
+    n = sum(len(rs.spec.workers) for rs in slices)
+    names = ", ".join(rs.spec.name for rs in slices)
+    results: dict[str, dict] = {}
+    with out.status(f"stopping Ray on {n} host(s) of {names} ...") as st:
+        progress = HostProgress(out, st, 0 if many else n)
+        for i, rs in enumerate(slices):  # the head (off the slices) after the last slice's workers
+            got = rs.down(progress=progress.for_slice(rs.spec.name if many else None), stop_head=i == len(slices) - 1)
+            results.update({("head" if w == -1 else f"{rs.spec.name}/{w}" if many else str(w)): r for w, r in got.items()})
     bad = {w: (r.get("error") or f"{len(r['left'])} process(es) left") for w, r in results.items()
            if r.get("error") or r.get("left")}
-    results = {("head" if w == -1 else w): r for w, r in results.items()}
     if bad:
         raise ClusterError("could not stop Ray on " + "; ".join(f"worker {w}: {m}" for w, m in sorted(bad.items())),
                            "run `tpulaunch cluster down` again")
@@ -156,9 +187,9 @@ def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
     stopped = sum(r.get("stopped", 0) for r in results.values())
     if json_out:
         out.json({"schema": "tpulaunch.cluster-down/v1", "address": rec.address, "processes_stopped": stopped,
-                  "hosts": {str(w): r for w, r in sorted(results.items(), key=lambda kv: str(kv[0]))}})
+                  "hosts": dict(sorted(results.items()))})
     else:
-        out.line(f"cluster {rec.address} on TPU {rs.spec.name} stopped ({stopped} processes on {n} hosts)")
+        out.line(f"cluster {rec.address} on TPU {names} stopped ({stopped} processes on {n} hosts)")
 
 
 def register(cluster_app: typer.Typer) -> None:

@@ -272,14 +272,15 @@ class RemoteSlice:
 
     def __init__(self, spec: SliceSpec, *, port: int = DEFAULT_PORT, temp_dir: str | None = None,
                  python: str = DEFAULT_PYTHON, dashboard: bool = False, cluster_id: str | None = None,
-                 head: LocalHead | None = None, setup: str | None = None) -> None:
+                 head: LocalHead | None = None, setup: str | None = None, key: str | None = None) -> None:
         if not spec.workers:
             raise ClusterError(f"TPU '{spec.name}' lists no worker endpoints", "is it READY? `tpulaunch slice describe`")
         if not spec.zone or not spec.project:
             raise ClusterError(f"TPU '{spec.name}' has no zone/project", "pass --zone and --project")
         self.spec = spec
         self.port = int(port)
-        self.key = cluster_key(spec.project, spec.zone, spec.name)
+        # the cluster's key (its token file): its first slice's; a slice that joins another's head shares it
+        self.key = key or cluster_key(spec.project, spec.zone, spec.name)
         self.temp_dir = temp_dir or default_temp_dir(spec.project, spec.zone, spec.name)
         self.python = python
         self.dashboard = dashboard
@@ -289,14 +290,18 @@ class RemoteSlice:
         self.setup_logs: dict[int, str] = {}  # worker -> where its setup's output was saved
 
     @classmethod
-    def from_record(cls, info: ClusterInfo) -> "RemoteSlice":
+    def from_record(cls, info: ClusterInfo, index: int = 0) -> "RemoteSlice":
+        """Slice `index` of a recorded cluster (`cluster up --tpu A [--tpu B ...]`), sharing its
+        head and token."""
         r = info.remote or {}
         head = None
         if r.get("head") == "local":
             head = LocalHead(ip=r["head_ip"], temp_dir=info.temp_dir or "", dashboard_port=int(r["dashboard_port"]),
                              python=r.get("head_python") or sys.executable)
-        return cls(SliceSpec.from_dict(info.slices[0]), port=r["port"], temp_dir=r["temp_dir"], python=r["python"],
-                   cluster_id=info.cluster_id, head=head, setup=r.get("setup"))
+        first = SliceSpec.from_dict(info.slices[0])
+        return cls(SliceSpec.from_dict(info.slices[index]), port=r["port"], temp_dir=r["temp_dir"], python=r["python"],
+                   cluster_id=info.cluster_id, head=head, setup=r.get("setup"),
+                   key=cluster_key(first.project or "", first.zone or "", first.name))
 
     @property
     def head_ip(self) -> str:
@@ -447,7 +452,7 @@ class RemoteSlice:
         if errors:
             raise ClusterError("; ".join(f"worker {w}: {m}" for w, m in sorted(errors.items())),
                                "fix that and run `tpulaunch cluster up` again (hosts already up are left alone)")
-        remote = {"tpu": self.spec.name, "zone": self.spec.zone, "project": self.spec.project, "port": self.port,
+        remote = {"tpu": self.spec.name, "tpus": [self.spec.name], "zone": self.spec.zone, "project": self.spec.project, "port": self.port,
                   "temp_dir": self.temp_dir, "python": self.python, "head": "worker-0", "setup": self.setup}
         if self.head is not None:
             remote.update(head="local", head_ip=self.head.ip, dashboard_port=self.head.dashboard_port,
@@ -457,8 +462,9 @@ class RemoteSlice:
                            cluster_id=self.cluster_id, remote=remote,
                            dashboard=f"{self.head.ip}:{self.head.dashboard_port}" if self.head else None)
 
-    def down(self, progress: Progress | None = None) -> dict[int, dict]:
-        """End this cluster's Ray processes on every worker, in parallel: {worker: {"stopped", "left"}}."""
+    def down(self, progress: Progress | None = None, stop_head: bool = True) -> dict[int, dict]:
+        """End this cluster's Ray processes on every worker, in parallel: {worker: {"stopped", "left"}};
+        then the head off the slice (`stop_head`; a cluster of several slices stops it after the last)."""
         if not self.cluster_id:
             raise ClusterError(f"the record of the cluster on TPU '{self.spec.name}' has no cluster id (written by an"
                                " older tpulaunch?): nothing can be told apart as its", "stop its Ray processes on the"
@@ -483,11 +489,21 @@ class RemoteSlice:
         n = len(self.spec.workers)
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SSH, n)) as pool:
             list(pool.map(stop, range(n)))
-        if self.head is not None:  # the head here: stopped as an emulated cluster is, by its id and marker
+        if self.head is not None and stop_head:  # the head here: stopped as an emulated cluster is, by its id and marker
             from tpulaunch.cluster.emulated import stop_owned
 
             results[-1] = {"stopped": stop_owned(self.cluster_id, self.head.temp_dir), "left": []}
         return results
+
+
+def tpu_names(remote: dict) -> list[str]:
+    """The TPUs a recorded cluster spans, in order (records of one TPU hold only "tpu")."""
+    return list(remote.get("tpus") or [remote["tpu"]])
+
+
+def recorded_slices(info: ClusterInfo) -> list[RemoteSlice]:
+    """Every slice of a recorded cluster on TPUs, the first holding (or first joined to) the head."""
+    return [RemoteSlice.from_record(info, i) for i in range(len(info.slices))]
 
 
 # -- `cluster join`: on a TPU VM itself ------------------------------------------------------------

@@ -228,7 +228,7 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
                 if recs:  # the Cloud TPU API's word: these hosts were not just lost, their slice was preempted
                     a.outcome = Outcome.PREEMPTED
                     a.note = "; ".join(f"slice {r.slice} preempted ({r.why})" for r in recs)
-                    current = current.on_slices(slices)
+                    current = current.on_slices(recreate.in_run_order(current.slices, slices))
             left = max(1.0, req.preemption_wait - (time.monotonic() - t0))
             sink.progress(f"{who}: waiting up to {left:.0f} s for the slice to be whole again in Ray"
                           f" (preemption {spent.preemptions} of {req.max_preemptions})")

@@ -79,16 +79,37 @@ def check(cluster: ClusterInfo | None, emulated: bool, max_preemptions: int) -> 
                           "add --max-preemptions N (each re-creation counts as one)")
     assert cluster is not None and cluster.remote  # refusal() said so
     r = cluster.remote
-    spec = discover.describe_node(r["tpu"], zone=r["zone"], project=r["project"])
-    if not spec.queued_resource:
-        raise LaunchError(f"TPU '{spec.name}' was not created through a queued resource: nothing records how to make"
-                          " it again", "create it with `tpulaunch slice create NAME ... --spot`, or run without --recreate")
+    for d in cluster.slices:
+        spec = discover.describe_node(d["name"], zone=r["zone"], project=r["project"])
+        if not spec.queued_resource:
+            raise LaunchError(f"TPU '{spec.name}' was not created through a queued resource: nothing records how to"
+                              " make it again", "create it with `tpulaunch slice create NAME ... --spot`, or run without"
+                              " --recreate")
+
+
+def in_run_order(run: tuple[SliceSpec, ...] | list[SliceSpec], now: list[SliceSpec]) -> list[SliceSpec]:
+    """The run's slices as the cluster holds them `now` (new VMs of re-created ones), each keeping
+    its place in the run (`slice_index`): a run may use some of a cluster's slices, in its own order.
+    Pure."""
+    from dataclasses import replace
+
+    by_name = {s.name: s for s in now}
+    return [replace(by_name.get(s.name, s), slice_index=s.slice_index) for s in run]
+
+
+def qr_id(spec: SliceSpec) -> str:
+    """The id of the queued resource that made the slice ("" for none)."""
+    return (spec.queued_resource or "").rsplit("/", 1)[-1]
 
 
 def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
                say: Callable[[str], None]) -> tuple[list[Recreation], list[SliceSpec]]:
     """Ask the API about each slice in `lost`; re-create, set up and rejoin the preempted ones.
-    Returns what was re-created and the cluster's slices as they are now (new addresses)."""
+    Returns what was re-created and the cluster's slices as they are now (new addresses).
+
+    The unit of re-creation is the queued resource: slices made by their own queued resources
+    come back one by one (the others keep running); the slices of one multislice queued resource
+    are suspended together by the service, so they are made again together."""
     from tpulaunch import discover
     from tpulaunch.cluster.remote import RemoteSlice
     from tpulaunch.discover import capacity
@@ -97,11 +118,14 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
     end = time.monotonic() + deadline_s
     r = cluster.remote or {}
     project, zone = r["project"], r["zone"]
+    specs = [SliceSpec.from_dict(d) for d in cluster.slices]
     done: list[Recreation] = []
-    for i, spec in enumerate([SliceSpec.from_dict(d) for d in cluster.slices]):
-        if spec.name not in lost:
+    seen: set[str] = set()
+    for spec in specs:
+        qr = qr_id(spec)
+        if spec.name not in lost or (qr and qr in seen):
             continue
-        qr = (spec.queued_resource or "").rsplit("/", 1)[-1]
+        seen.add(qr)
         try:
             node_state = discover.describe_node(spec.name, zone=zone, project=project).state
         except NodeNotFoundError:
@@ -115,20 +139,25 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
         if not qr:
             raise LaunchError(f"slice {spec.name} was preempted ({why}) but has no queued resource to re-create",
                               "re-create it yourself and run `tpulaunch cluster up --tpu` again")
-        say(f"slice {spec.name}: {why}: re-creating it (queued resource {qr})")
-        rec = Recreation(spec.name, qr, why)
+        members = [i for i, s in enumerate(specs) if qr_id(s) == qr]
+        names = ", ".join(specs[i].name for i in members)
+        say(f"slice {names}: {why}: re-creating it (queued resource {qr})")
+        rec = Recreation(names, qr, why)
         _st, took = capacity.recreate(project, zone, qr, max(1.0, end - time.monotonic()), say)
         rec.steps.update(took)
         t = time.monotonic()
-        fresh = discover.describe_node(spec.name, zone=zone, project=project)
-        say(f"slice {spec.name}: ACTIVE again ({len(fresh.workers)} workers): setting up and joining the head")
-        rs = RemoteSlice.from_record(cluster)
-        rs.spec = fresh
-        info = rs.up(progress=lambda w, s, name=spec.name: say(f"slice {name} worker {w}: {s}"), replaced=True,
-                     replaced_wait_s=max(1.0, end - time.monotonic()))
+        for i in members:
+            name = specs[i].name
+            fresh = discover.describe_node(name, zone=zone, project=project)
+            say(f"slice {name}: ACTIVE again ({len(fresh.workers)} workers): setting up and joining the head")
+            rs = RemoteSlice.from_record(cluster, i)
+            rs.spec = fresh
+            info = rs.up(progress=lambda w, s, name=name: say(f"slice {name} worker {w}: {s}"), replaced=True,
+                         replaced_wait_s=max(1.0, end - time.monotonic()))
+            cluster.slices[i] = fresh.to_dict()
+            if i == 0:
+                cluster.address = info.address
         rec.steps["setup_join_s"] = time.monotonic() - t
-        cluster.slices[i] = fresh.to_dict()
-        cluster.address = info.address
         save_record(cluster)  # the record follows the new VMs (status, down, the next re-creation)
         done.append(rec)
     return done, [SliceSpec.from_dict(d) for d in cluster.slices]
