@@ -128,6 +128,21 @@ def ancestors(pid: int | None = None) -> set[int]:
     return out
 
 
+def child_pids(pid: int) -> list[int] | None:
+    """`pid`'s children, from the kernel's per-thread lists (no walk of /proc); None where the
+    kernel keeps none (CONFIG_PROC_CHILDREN off)."""
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        return None if alive(pid) else []
+    except OSError:
+        return []
+    return out
+
+
 def children_map() -> dict[int, list[int]]:
     """ppid -> live child pids, from one walk of /proc."""
     kids: dict[int, list[int]] = {}

@@ -25,7 +25,7 @@ from tpulaunch.plan.contract import HostState
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 from tpulaunch.plan.topology import resolve
-from tpulaunch.run.fleet import Event, Gone, Reply
+from tpulaunch.run.fleet import Event, Gone, Reply, cadence
 from tpulaunch.run.summary import Cause
 
 STOP_EXIT = 143  # a host told to stop ends as a script does on SIGTERM
@@ -76,6 +76,8 @@ class SimFleet:
         self._lock = threading.Lock()
         self.replies = 0  # poll replies delivered (what RayFleet would have made one call each for)
         self.failed_at: float | None = None  # when the first host failed (exit != 0 or lost)
+        # as the agent's long poll does (`HostAgent.poll`): a chatty host's lines gather for batch_s
+        self.batch_s = cadence(len(hosts))[1]
 
     # -- the Fleet protocol ---------------------------------------------------------------------
 
@@ -162,11 +164,16 @@ class SimFleet:
                     continue
                 if what == "line":
                     h.sent += 1
+                    first = not h.pending
                     h.pending.append(("stdout", f"step {h.sent} of host {i}: loss 0.{h.sent % 997:03d}"))
                     self._push_locked(due + (h.model.line_every_s or 1.0), i, "line")
-                    news.setdefault(i, None)
+                    if self.batch_s <= 0:
+                        news.setdefault(i, None)
+                    elif first:  # the reply goes once batch_s of lines are gathered (or the host ends)
+                        self._push_locked(due + self.batch_s, i, "flush")
                 elif what == "flush":
-                    news.setdefault(i, None)
+                    if h.pending:
+                        news.setdefault(i, None)
                 elif what == "step":
                     h.step = (h.step or 0) + 1
                     self._push_locked(due + (h.model.step_every_s or 1.0), i, "step")

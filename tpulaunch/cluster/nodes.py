@@ -55,6 +55,27 @@ def _params(node: dict):  # noqa: ANN202 - a ray._private.parameter.RayParams
     return params
 
 
+def _patient_get_node() -> None:
+    """Ray's `Node()` waits for its raylet to register by calling `services.get_node` in a loop with
+    no pause, each call a new GCS connection: while one node starts, this process spins a core
+    and loads the GCS that every node already up shares. A 50 ms pause between tries (Ray looks
+    the function up at each call)."""
+    import time
+
+    import ray._private.services as services
+
+    real = services.get_node
+
+    def get_node(gcs_address, node_id):  # noqa: ANN001, ANN202 - Ray's signature
+        try:
+            return real(gcs_address, node_id)
+        except RuntimeError:
+            time.sleep(0.05)
+            raise
+
+    services.get_node = get_node
+
+
 def start_node(node: dict) -> str:
     """Construct one Ray node (head or worker) with `node["env"]` set; returns the GCS address."""
     import ray._private.node
@@ -74,6 +95,7 @@ def start_node(node: dict) -> str:
 
 def main() -> int:
     batch = json.load(sys.stdin)
+    _patient_get_node()
     address = None
     for i, node in enumerate(batch["nodes"]):
         if not node["head"]:

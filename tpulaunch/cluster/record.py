@@ -47,12 +47,17 @@ def state_dir() -> Path:
 
 # Ray's background work on an emulated cluster, where every node shares this machine's cores with
 # the hosts' training: no metrics pipeline, task events and state dumps rarely (Ray's C++ config,
-# read from RAY_<name> by every Ray process: nodes, workers and the driver).
+# read from RAY_<name> by every Ray process: nodes, workers and the driver). Each node's work that
+# looks at every other node (dumps, the dashboard agent's reporter walking the processes) costs
+# N x N on one machine, where a real slice spreads it over N machines.
 QUIET_RAY = {
     "RAY_enable_metrics_collection": "0",
     "RAY_task_events_report_interval_ms": "10000",
-    "RAY_debug_dump_period_ms": "600000",
+    "RAY_debug_dump_period_milliseconds": "600000",  # Ray 2.60's name (a `_ms` spelling is ignored)
     "RAY_event_stats_print_interval_ms": "600000",
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",  # the dashboard agent's psutil report (default every 5 s)
+    # each node's two agents learn that their raylet died from a pipe, not by polling it 2.5 times a second
+    "RAY_enable_pipe_based_agent_to_parent_health_check": "1",
 }
 
 

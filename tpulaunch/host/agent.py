@@ -623,7 +623,9 @@ class HostAgent:
         if self._host is not None:
             managed.add(self._host.proc.pid)
         me = os.getpid()
-        for proc in procfs.processes():
+        kids = procfs.child_pids(me)  # every 5 s on every host: its own children, not all of /proc
+        found = (procfs.Process(p) for p in kids) if kids is not None else procfs.processes()
+        for proc in found:
             if proc.pid not in managed and proc.state() == "Z" and proc.ppid() == me:
                 try:
                     os.waitpid(proc.pid, os.WNOHANG)
