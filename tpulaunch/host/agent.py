@@ -90,6 +90,9 @@ def _is_code_key(text: str) -> bool:
     return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
+_RUN_PROBE = f"import runpy; runpy.run_path({os.path.join(os.path.dirname(__file__), 'probe.py')!r}, run_name='__main__')"
+
+
 def agent_for(slice_name: str, worker_id: int) -> object:
     """The agent of TPU worker `worker_id` of `slice_name` for this driver's code: found, or
     started on that host's node."""
@@ -441,7 +444,9 @@ class HostAgent:
             cwd, error = None, "its working directory (this host's copy of the run's code) was deleted"
         if cwd is not None:
             try:
-                proc = subprocess.run([sys.executable, "-m", "tpulaunch.host.probe", json.dumps(doc)], env=env,
+                # the probe's file, not `-m tpulaunch.host.probe`: the package's imports are not what is
+                # checked, and on 32 emulated hosts sharing 2 cores they were a fifth of preflight
+                proc = subprocess.run([sys.executable, "-c", _RUN_PROBE, json.dumps(doc)], env=env,
                                       cwd=cwd, capture_output=True, text=True,
                                       timeout=30 + request.timeout_s * max(1, len(request.connect)))
                 if proc.returncode == 0:
