@@ -24,6 +24,7 @@ import pytest
 
 from fakes import closed_port, cli_env, run_cli
 from fakes.tpu_api_server import FakeTpuApi
+from support import live_processes
 
 from test_cluster_remote import _cmdline, end_leftovers, procs_of, ssh_commands
 
@@ -247,13 +248,9 @@ def test_a_multislice_run_recreates_only_the_preempted_slice_and_the_budget_coun
 
 
 def _raylets(temp_dir: str) -> list[int]:
-    def argv0(pid: int) -> str:
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
-        except OSError:
-            return ""
-
-    return sorted(p for p in procs_of(temp_dir) if argv0(p).endswith("/raylet"))
+    """The raylets of the cluster's processes on one VM (their argv or open files name its temp dir)."""
+    return sorted(pid for pid, p in live_processes().items() if p["cmdline"].split(b"\0")[0].endswith(b"/raylet")
+                  and temp_dir.encode() in p["cmdline"] + p["fds"])
 
 
 def _vm_tag(name: str) -> str:

@@ -29,31 +29,37 @@ REMOTE_PYTHON_DEFAULT = "python3"
 class HostProgress:
     """Each host's state: a rich status line listing all hosts on a terminal, plain lines piped.
 
-    One slice's hosts are `w0`, `w1` (`worker 0` piped); a cluster of several slices names each
-    host with its slice (`for_slice`)."""
+    `workers`: each slice's name and worker count. One slice's hosts are `w0`, `w1` (`worker 0`
+    piped); a cluster of several slices names each host with its slice. `for_slice` gives the
+    callback of one slice's hosts."""
 
-    def __init__(self, out: Output, status, n: int) -> None:
+    def __init__(self, out: Output, status, workers: dict[str, int]) -> None:
         self.out, self.st = out, status
-        self.states: dict[str, str] = {f"w{w}": "waiting" for w in range(n)}
+        self.many = len(workers) > 1
+        self.states: dict[str, str] = {self._short(name, w): "waiting" for name, n in workers.items() for w in range(n)}
         self.lock = threading.Lock()
 
-    def __call__(self, worker: int, state: str, slice_name: str | None = None) -> None:
+    def _short(self, slice_name: str, worker: int) -> str:
+        from tpulaunch.cluster.remote import HEAD
+
+        return "head" if worker == HEAD else (f"{slice_name}/w{worker}" if self.many else f"w{worker}")
+
+    def update(self, slice_name: str, worker: int, state: str) -> None:
         """`worker` HEAD (-1) is a head off the slice (`--head local`)."""
         from tpulaunch.cluster.remote import HEAD
 
-        short = "head" if worker == HEAD else (f"{slice_name}/w{worker}" if slice_name else f"w{worker}")
         with self.lock:
-            self.states[short] = state
+            self.states[self._short(slice_name, worker)] = state
             if self.st is not None:
                 self.st.update("  ".join(f"{k}: {v}" for k, v in self.states.items()))
             else:
-                long = "head" if worker == HEAD else (f"{slice_name} worker {worker}" if slice_name
+                long = "head" if worker == HEAD else (f"{slice_name} worker {worker}" if self.many
                                                       else f"worker {worker}")
                 self.out.info(f"{long}: {state}")
 
-    def for_slice(self, name: str | None):  # noqa: ANN201 - a remote.Progress
-        """The progress callback of one slice's hosts (`name` None: the cluster has one slice)."""
-        return self if name is None else (lambda worker, state: self(worker, state, name))
+    def for_slice(self, name: str):  # noqa: ANN201 - a remote.Progress
+        """The progress callback of one slice's hosts."""
+        return lambda worker, state: self.update(name, worker, state)
 
 
 def setup_text(command: str | None, script: Path | None) -> str | None:
@@ -123,11 +129,11 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
     n = sum(len(s.workers) for s in specs)
     infos = []
     with out.status(f"bringing up Ray on {n} host(s) of {', '.join(tpus)} ...") as st:
-        progress = HostProgress(out, st, n if len(specs) == 1 else 0)
+        progress = HostProgress(out, st, {s.name: len(s.workers) for s in specs})
         for rs in slices:
             # the same TPU with other addresses: its VMs were re-created (after a preemption) since the record
             replaced = rs.spec.name in before and before[rs.spec.name] != [w.ip for w in rs.spec.workers]
-            infos.append(rs.up(progress=progress.for_slice(rs.spec.name if len(specs) > 1 else None), replaced=replaced))
+            infos.append(rs.up(progress=progress.for_slice(rs.spec.name), replaced=replaced))
     info = infos[0]
     info.slices = [i.slices[0] for i in infos]
     assert info.remote is not None
@@ -172,9 +178,9 @@ def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
     names = ", ".join(rs.spec.name for rs in slices)
     results: dict[str, dict] = {}
     with out.status(f"stopping Ray on {n} host(s) of {names} ...") as st:
-        progress = HostProgress(out, st, 0 if many else n)
+        progress = HostProgress(out, st, {rs.spec.name: len(rs.spec.workers) for rs in slices})
         for i, rs in enumerate(slices):  # the head (off the slices) after the last slice's workers
-            got = rs.down(progress=progress.for_slice(rs.spec.name if many else None), stop_head=i == len(slices) - 1)
+            got = rs.down(progress=progress.for_slice(rs.spec.name), stop_head=i == len(slices) - 1)
             results.update({("head" if w == -1 else f"{rs.spec.name}/{w}" if many else str(w)): r for w, r in got.items()})
     bad = {w: (r.get("error") or f"{len(r['left'])} process(es) left") for w, r in results.items()
            if r.get("error") or r.get("left")}

@@ -452,7 +452,7 @@ class RemoteSlice:
         if errors:
             raise ClusterError("; ".join(f"worker {w}: {m}" for w, m in sorted(errors.items())),
                                "fix that and run `tpulaunch cluster up` again (hosts already up are left alone)")
-        remote = {"tpu": self.spec.name, "tpus": [self.spec.name], "zone": self.spec.zone, "project": self.spec.project, "port": self.port,
+        remote = {"tpu": self.spec.name, "zone": self.spec.zone, "project": self.spec.project, "port": self.port,
                   "temp_dir": self.temp_dir, "python": self.python, "head": "worker-0", "setup": self.setup}
         if self.head is not None:
             remote.update(head="local", head_ip=self.head.ip, dashboard_port=self.head.dashboard_port,

@@ -152,11 +152,10 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
             say(f"slice {name}: ACTIVE again ({len(fresh.workers)} workers): setting up and joining the head")
             rs = RemoteSlice.from_record(cluster, i)
             rs.spec = fresh
-            info = rs.up(progress=lambda w, s, name=name: say(f"slice {name} worker {w}: {s}"), replaced=True,
-                         replaced_wait_s=max(1.0, end - time.monotonic()))
+            # the head is off the slices (`refusal`): its address stays, only the workers are new
+            rs.up(progress=lambda w, s, name=name: say(f"slice {name} worker {w}: {s}"), replaced=True,
+                  replaced_wait_s=max(1.0, end - time.monotonic()))
             cluster.slices[i] = fresh.to_dict()
-            if i == 0:
-                cluster.address = info.address
         rec.steps["setup_join_s"] = time.monotonic() - t
         save_record(cluster)  # the record follows the new VMs (status, down, the next re-creation)
         done.append(rec)
