@@ -155,9 +155,28 @@ def children_map() -> dict[int, list[int]]:
     return kids
 
 
+def subtree(pid: int) -> dict[int, list[int]]:
+    """ppid -> child pids for `pid` and everything below it, from the kernel's per-thread lists:
+    what `descendants` needs without a walk of all of /proc (on a machine of many emulated hosts,
+    every host's walk reads every other host's processes). The whole walk where the kernel keeps
+    no lists."""
+    kids: dict[int, list[int]] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        found = child_pids(p)
+        if found is None:
+            return children_map()
+        live = [c for c in found if alive(c)]
+        if live:
+            kids[p] = live
+            todo += live
+    return kids
+
+
 def descendants(pid: int, kids: dict[int, list[int]] | None = None) -> list[int]:
-    """Every live process below `pid` (not `pid` itself)."""
-    kids = children_map() if kids is None else kids
+    """Every live process below `pid` (not `pid` itself); `kids` from `subtree` or `children_map`."""
+    kids = subtree(pid) if kids is None else kids
     out, todo = [], list(kids.get(pid, []))
     while todo:
         p = todo.pop()

@@ -128,3 +128,39 @@ def test_a_host_that_could_not_be_checked_is_an_error():
     plan = _plan()
     (f,) = findings(plan, [_report(plan, 0), replace(_report(plan, 1), error="the probe exited 1: boom", probe={})])
     assert f.error and f.what == "host 1 could not be checked: the probe exited 1: boom"
+
+
+def test_the_probe_reads_versions_as_importlib_metadata_finds_them(tmp_path):
+    """The probe reads METADATA itself (importlib.metadata's imports cost every host half its start):
+    the same answer as `importlib.metadata.version`, first entry on the path first."""
+    from importlib import metadata
+
+    from tpulaunch.host import probe
+
+    def dist(root, dirname, version, meta="METADATA"):
+        d = root / dirname
+        d.mkdir(parents=True)
+        (d / meta).write_text(f"Metadata-Version: 2.1\nName: x\nVersion: {version}\n\nVersion: not this\n")
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    dist(first, "torch-2.9.0+cpu.dist-info", "2.9.0+cpu")
+    dist(second, "torch-2.8.0.dist-info", "2.8.0")
+    dist(second, "torch_xla-2.9.0.dist-info", "2.9.0")
+    dist(second, "libtpu_nightly-0.1.dev20251101.dist-info", "0.1.dev20251101")
+    dist(second, "jax-0.4.38-py3.11.egg-info", "0.4.38", meta="PKG-INFO")
+    dist(second, "jaxlib.egg-info", "0.4.38", meta="PKG-INFO")
+    dist(second, "Ray-2.60.0.dist-info", "2.60.0")
+    (second / "not-a-dist.txt").write_text("")
+    path = [str(first), str(second), str(tmp_path / "missing")]
+
+    got = probe.versions(path)
+
+    def want(name):
+        try:
+            return next(iter(metadata.distributions(name=name, path=path))).version
+        except StopIteration:
+            return None
+
+    expected = {n: want(n) for n in probe.PACKAGES if want(n) is not None}
+    assert {k: v for k, v in got.items() if k != "python"} == expected
+    assert got["torch"] == "2.9.0+cpu" and "libtpu" not in got and got["libtpu-nightly"] == "0.1.dev20251101"

@@ -43,7 +43,7 @@ from typing import Callable
 
 from tpulaunch import procfs
 from tpulaunch.errors import ExitCode
-from tpulaunch.host.context import HEARTBEAT_ENV
+from tpulaunch.host.context import HEARTBEAT_ENV, PY_STDIO_ENV, TIMINGS_ENV
 from tpulaunch.host.protocol import (AgentInfo, HostOptions, HostRun, PollReply, PreflightReport, PreflightRequest,
                                      Started)
 from tpulaunch.plan.env import split_env
@@ -58,8 +58,6 @@ _DROP = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "R
 _PR_SET_PDEATHSIG = 1
 _PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, -1
 EXIT_TPU_BUSY = ExitCode.TPU_BUSY  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
-PY_STDIO_ENV = "TPULAUNCH_PY_STDIO_FDS"  # "OUT,ERR": the fds the bootstrap gives sys.stdout / sys.stderr
-TIMINGS_ENV = "TPULAUNCH_TIMINGS_FILE"  # the bootstrap's phases (import, boot, mesh) as JSON
 DRIVER_GONE_S = 60.0  # a run nobody polled for this long has lost its driver
 DRAIN_S = 2.0  # after a host's script exits: how long the output still in its pipes may take to arrive
 _PR_SET_CHILD_SUBREAPER = 36
@@ -143,12 +141,12 @@ def _child_setup() -> None:
         pass
 
 
-def _become_subreaper() -> None:
-    """Orphans of our children come to us, not to init (PR_SET_CHILD_SUBREAPER)."""
+def _become_subreaper() -> bool:
+    """Orphans of our children come to us, not to init (PR_SET_CHILD_SUBREAPER). False if refused."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except OSError:
-        pass
+        return False
 
 
 def exit_code_of(returncode: int) -> int:
@@ -195,6 +193,12 @@ class HostProcess:
     `keep_children`. Nothing it left behind can hold the host "running" by holding its pipes.
     """
 
+    # Every host process and spare of this agent that has not exited, by pid. Spawning holds the
+    # lock, so a sweep for one process's leftovers (which holds it too) never sees another half
+    # started: a spare replaced while the next run's host starts is not the new host's end.
+    spawning = threading.Lock()
+    running: set[int] = set()
+
     def __init__(self, argv: list[str], env: dict[str, str], cwd: str, spare: bool = False,
                  leftovers: Callable[["HostProcess"], list[int]] | None = None) -> None:
         py = argv[1:3] == ["-m", "tpulaunch.host.bootstrap"]
@@ -215,11 +219,13 @@ class HostProcess:
         self.keep_children = False
         self._stop_reading = threading.Event()
         try:
-            self.proc = subprocess.Popen(
-                argv, env=env, cwd=cwd, stdin=subprocess.PIPE if spare else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                preexec_fn=_child_setup, bufsize=0, pass_fds=[w for _r, w in pipes],
-            )
+            with HostProcess.spawning:
+                self.proc = subprocess.Popen(
+                    argv, env=env, cwd=cwd, stdin=subprocess.PIPE if spare else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                    preexec_fn=_child_setup, bufsize=0, pass_fds=[w for _r, w in pipes],
+                )
+                HostProcess.running.add(self.proc.pid)
         finally:
             for _r, w in pipes:
                 os.close(w)
@@ -266,6 +272,7 @@ class HostProcess:
 
     def _reap(self) -> None:
         self.proc.wait()
+        HostProcess.running.discard(self.proc.pid)
         self.exited = time.time()  # the host's end (its output may still be draining)
         deadline = time.monotonic() + DRAIN_S
         for t in self.readers:
@@ -345,7 +352,7 @@ class HostAgent:
         self._notes: list[str] = []  # tpulaunch's own lines for the next poll (a busy TPU)
         self._helpers: set[int] = set()  # short-lived children of ours (py-spy): never a host's leftover
         self._lock = threading.Lock()
-        _become_subreaper()  # what a host's script leaves behind (even after setsid) stays below us
+        self._subreaper = _become_subreaper()  # what a host's script leaves (even after setsid) stays below us
         if threading.current_thread() is threading.main_thread():
             # A threaded actor's __init__ runs on the worker's main thread: the one place a signal
             # handler can be installed. SIGTERM to this process is the host going away.
@@ -605,18 +612,18 @@ class HostAgent:
 
         This agent is a child subreaper, so whatever the script started (forked, daemonized,
         `setsid` too) is re-parented below it when its parent dies: everything below the agent is
-        the script's, except the spares (and theirs) and our own helpers (py-spy). As a second net,
-        processes started with this run's and host's identity in their environment.
+        the script's, except the spares (and theirs) and our own helpers (py-spy). Only where the
+        kernel refused us that role (orphans go to init) are they found by the run's and host's
+        identity in their environment, a read of every process on the machine.
         """
-        kids = procfs.children_map()
-        keep = set(self._helpers)
-        for _env, spare in self._spares.values():
-            keep |= {spare.proc.pid, *procfs.descendants(spare.proc.pid, kids)}
-        if self._host is not None and self._host is not host and self._host.alive:
-            keep |= {self._host.proc.pid, *procfs.descendants(self._host.proc.pid, kids)}
-        found = set(procfs.descendants(os.getpid(), kids))
+        with HostProcess.spawning:
+            kids = procfs.subtree(os.getpid())
+            keep = set(self._helpers)
+            for pid in HostProcess.running - {host.proc.pid}:  # the spares, the next run's host
+                keep |= {pid, *procfs.descendants(pid, kids)}
+            found = set(procfs.descendants(os.getpid(), kids))
         run, index = host.env.get("TPULAUNCH_RUN_ID"), host.env.get("TPULAUNCH_PROCESS_INDEX")
-        if run:  # a fresh host process: its children carry its environment (a spare's show it after hand-off)
+        if run and not self._subreaper:  # orphans went to init: find them by the environment they inherited
             mark = {f"TPULAUNCH_RUN_ID={run}".encode(), f"TPULAUNCH_PROCESS_INDEX={index}".encode()}
             found |= {proc.pid for proc in procfs.processes() if mark <= set(proc.environ().split(b"\0"))}
         return sorted(p for p in found - keep if p != host.proc.pid and procfs.alive(p))
@@ -691,11 +698,12 @@ class HostAgent:
             return "(the host process had already ended)"
         exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
         try:
-            proc = subprocess.Popen([exe, "dump", "--pid", str(h.proc.pid)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
+            with HostProcess.spawning:  # a leftover sweep never sees it unnamed
+                proc = subprocess.Popen([exe, "dump", "--pid", str(h.proc.pid)], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+                self._helpers.add(proc.pid)
         except OSError as e:
             return f"(py-spy dump failed: {e})"
-        self._helpers.add(proc.pid)
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -23,7 +23,7 @@ _MARKER: list[int] = []  # the fd of the run's heartbeat file, held open (see _h
 from tpulaunch.host import context as ctx_mod
 from tpulaunch.host import frameworks
 from tpulaunch.errors import ExitCode, TpulaunchError
-from tpulaunch.host.agent import PY_STDIO_ENV, TIMINGS_ENV
+from tpulaunch.host.context import PY_STDIO_ENV, TIMINGS_ENV
 from tpulaunch.plan.contract import HostState
 
 EXIT_BOOT_FAILED = ExitCode.BOOT_FAILED  # the host could not start the framework or build the mesh

@@ -117,6 +117,10 @@ class RunContext:
 
 _STATE: dict[str, Any] = {"ctx": None, "mesh": None}
 HEARTBEAT_ENV = "TPULAUNCH_HEARTBEAT_FILE"  # the agent watches this file's mtime
+# What else the agent tells a host process (here, not in the agent's module: a spare starts after
+# every run, and importing the agent was half of its start)
+PY_STDIO_ENV = "TPULAUNCH_PY_STDIO_FDS"  # "OUT,ERR": the fds the bootstrap gives sys.stdout / sys.stderr
+TIMINGS_ENV = "TPULAUNCH_TIMINGS_FILE"  # the bootstrap's phases (import, boot, mesh) as JSON
 
 _OUTSIDE = (
     "not running under tpulaunch",

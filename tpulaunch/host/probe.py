@@ -14,24 +14,58 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
-import shutil
+import re
 import socket
 import sys
-from importlib import metadata
-from pathlib import Path
 
 PACKAGES = ("tpulaunch", "torch", "torch_xla", "jax", "jaxlib", "libtpu", "libtpu-nightly", "ray")
 MAX_HASHED_FILES = 2000  # a working directory's Python files, hashed together (bounded)
 
 
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in PACKAGES:
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _version_from(meta_dir: str) -> str | None:
+    """The `Version:` header of a dist-info's METADATA (an egg-info's PKG-INFO)."""
+    for name in ("METADATA", "PKG-INFO"):
         try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
+            with open(os.path.join(meta_dir, name), encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if line.startswith("Version:"):
+                        return line.split(":", 1)[1].strip()
+                    if not line.strip():
+                        break
+        except OSError:
             continue
+    return None
+
+
+def versions(path: list[str] | None = None) -> dict[str, str]:
+    """Installed versions of PACKAGES as `importlib.metadata.version` finds them (the first
+    distribution on `sys.path`), read from each distribution's METADATA.
+
+    Not importlib.metadata itself: its imports were half of this probe's start, paid once per
+    host per run (32 emulated hosts share two cores here)."""
+    out = {"python": sys.version.split()[0]}
+    wanted = {_normal(n): n for n in PACKAGES}
+    for entry in sys.path if path is None else path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in sorted(names):
+            stem, dot, kind = name.rpartition(".")
+            if not dot or kind not in ("dist-info", "egg-info"):
+                continue
+            parts = stem.split("-")  # name-version[-pyX.Y]; the name ends before the version's digit
+            cut = next((i for i, part in enumerate(parts) if i and part[:1].isdigit()), len(parts))
+            package = wanted.get(_normal("-".join(parts[:cut])))
+            if package is None or package in out:
+                continue
+            version = _version_from(os.path.join(entry or ".", name))
+            if version:
+                out[package] = version
     return out
 
 
@@ -89,13 +123,14 @@ def free_bytes(path: str | None) -> int | None:
     """Free disk where `path` is (or would be: its nearest existing ancestor)."""
     if not path:
         return None
-    p = Path(os.path.expanduser(path))
-    while not p.exists() and p != p.parent:
-        p = p.parent
+    p = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(p) and p != os.path.dirname(p):
+        p = os.path.dirname(p)
     try:
-        return shutil.disk_usage(p).free
+        st = os.statvfs(p)
     except OSError:
         return None
+    return st.f_bavail * st.f_frsize
 
 
 def mem_available() -> int | None:
