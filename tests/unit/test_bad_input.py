@@ -247,7 +247,7 @@ def test_a_record_naming_a_directory_not_ours_is_refused(home, temp_dir, says):
 
 
 def test_a_tpl_directory_without_our_marker_is_not_deleted(home, tmp_path):
-    decoy = Path(ownership.make_temp_dir("someone-else"))  # a tpl-* dir marked for another cluster
+    decoy = Path(ownership.make_temp_dir("someone-else", tmp_path))  # a tpl-* dir marked for another cluster
     (decoy / "precious").write_text("keep me")
     try:
         _record(home, temp_dir=str(decoy), cluster_id="ours")
@@ -267,8 +267,8 @@ def test_a_tpl_directory_without_our_marker_is_not_deleted(home, tmp_path):
         shutil.rmtree(decoy, ignore_errors=True)
 
 
-def test_ownership_checks_are_by_marker_and_exact_id():
-    d = ownership.make_temp_dir("c1")
+def test_ownership_checks_are_by_marker_and_exact_id(tmp_path):
+    d = ownership.make_temp_dir("c1", tmp_path)
     try:
         assert ownership.check_temp_dir(d, "c1", "rec") == d
         with pytest.raises(StateError, match="marked for cluster c1, not for cluster c2"):
@@ -285,3 +285,29 @@ def test_ownership_checks_are_by_marker_and_exact_id():
         import shutil
 
         shutil.rmtree(d)
+
+
+def test_force_finds_the_clusters_of_this_home_and_of_homes_that_are_gone(tmp_path, monkeypatch):
+    """`cluster down --force` in one CI job must not stop a parallel job's cluster (another
+    TPULAUNCH_HOME); a cluster whose home was deleted, or marked before homes were, is still found."""
+    monkeypatch.setattr(ownership, "temp_root", lambda: tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
+    a, b, gone = tmp_path / "a", tmp_path / "b", tmp_path / "gone"
+    for h in (a, b, gone):
+        h.mkdir()
+    ids = {"ca": a, "cb": b, "cgone": gone}
+    for cid, h in ids.items():
+        ownership.make_temp_dir(cid, h)
+    gone.rmdir()
+    legacy = Path(ownership.make_temp_dir("clegacy", a))
+    (legacy / ownership.MARKER).write_text(json.dumps({"cluster_id": "clegacy"}))  # no home: before homes
+    ours = set(ids) | {"clegacy"}
+
+    def found(home):
+        return {o.cluster_id for o in ownership.find_orphans(home)} & ours
+
+    assert found(a) == {"ca", "cgone", "clegacy"}
+    assert found(b) == {"cb", "cgone", "clegacy"}
+    assert found(None) == ours
+    line = one_line(invoke("cluster", "down", "--all", env=cli_env(TPULAUNCH_HOME=str(a))), ExitCode.USAGE)
+    assert "--all goes with --force" in line

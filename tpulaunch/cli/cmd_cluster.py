@@ -11,7 +11,7 @@ from rich.table import Table
 from tpulaunch import discover
 from tpulaunch.cluster import emulated
 from tpulaunch.cluster.connect import connect, disconnect, resolve_address
-from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, record_path, save_record
+from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, record_path, save_record, state_dir
 from tpulaunch.cli import app
 from tpulaunch.cli import cmd_cluster_remote as remote
 from tpulaunch.cli import options as opt
@@ -190,19 +190,25 @@ def env(
 @cluster_app.command("down")
 def down(
     force: bool = typer.Option(False, "--force",
-                               help="Also stop every cluster tpulaunch started on this machine, found by its markers"
-                                    " (when the record is gone or unreadable)."),
+                               help="Stop the clusters this TPULAUNCH_HOME started on this machine, found by their"
+                                    " markers (when the record is gone or unreadable)."),
+    every_home: bool = typer.Option(False, "--all",
+                                    help="With --force: every tpulaunch cluster on this machine, whatever state"
+                                         " directory (TPULAUNCH_HOME) started it."),
     json_out: bool = opt.JSON,
 ) -> None:
     """Stop the cluster `tpulaunch cluster up` started (only its processes).
 
     Only what tpulaunch can prove it started is stopped or deleted: the processes carrying the
     cluster's id, and its temp dir if the dir is marked for it. A record naming anything else is
-    refused (exit 6). `--force` needs no record: it finds tpulaunch's clusters here by their markers.
+    refused (exit 6). `--force` needs no record: it finds tpulaunch's clusters here by their markers,
+    those another TPULAUNCH_HOME started (a parallel CI job's) excepted unless `--all`.
     """
     out = Output(json_mode=json_out)
+    if every_home and not force:
+        raise LaunchError("--all goes with --force", "`tpulaunch cluster down --force --all` stops every cluster here")
     if force:
-        _down_force(out, json_out)
+        _down_force(out, json_out, every_home)
         return
     rec = load_record()
     if rec is None:
@@ -219,8 +225,9 @@ def down(
         out.line(f"cluster {rec.address} stopped ({n} processes)")
 
 
-def _down_force(out: Output, json_out: bool) -> None:
-    """Every cluster of ours on this machine, by marker; the record goes too (readable or not)."""
+def _down_force(out: Output, json_out: bool, every_home: bool) -> None:
+    """This home's clusters on this machine (every home's with `every_home`), by marker; the record
+    goes too (readable or not)."""
     from tpulaunch.cluster import ownership
 
     try:
@@ -232,7 +239,7 @@ def _down_force(out: Output, json_out: bool) -> None:
         raise ClusterError(f"the recorded cluster runs on TPU '{rec.remote['tpu']}', not here",
                            "`tpulaunch cluster down` (without --force) stops it over gcloud ssh")
     stopped = []
-    for orphan in ownership.find_orphans():
+    for orphan in ownership.find_orphans(None if every_home else state_dir()):
         n = emulated.stop_owned(orphan.cluster_id, orphan.temp_dir)
         stopped.append({"cluster_id": orphan.cluster_id, "temp_dir": orphan.temp_dir, "processes_stopped": n})
     path = record_path()

@@ -16,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, save_record
+from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, save_record, state_dir
 from tpulaunch.host import tpu_holders
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
@@ -122,7 +122,7 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
         from tpulaunch.cluster.remote import cluster_id_of, ensure_token
 
         _path, token, _created = ensure_token(first.key)
-        local = first.head = replace(local, temp_dir=ownership.make_temp_dir(cluster_id_of(token)))
+        local = first.head = replace(local, temp_dir=ownership.make_temp_dir(cluster_id_of(token), state_dir()))
     slices = [first] + [RemoteSlice(s, port=port, temp_dir=first.temp_dir, python=python, dashboard=dashboard, head=local,
                                     setup=setup, key=first.key) for s in specs[1:]]
     before = {s["name"]: [w["ip"] for w in s.get("workers", [])] for s in (rec.slices if rec and rec.remote else [])}

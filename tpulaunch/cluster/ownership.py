@@ -45,26 +45,40 @@ def temp_root() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def make_temp_dir(cluster_id: str) -> str:
-    """A new `/tmp/tpl-*` dir (short: Ray's socket paths must fit 107 bytes) with the marker in it."""
+def make_temp_dir(cluster_id: str, home: Path) -> str:
+    """A new `/tmp/tpl-*` dir (short: Ray's socket paths must fit 107 bytes) with the marker in it,
+    naming the cluster and the state directory (`TPULAUNCH_HOME`) that started it."""
     path = tempfile.mkdtemp(prefix=PREFIX, dir=str(temp_root()))
     fd = os.open(os.path.join(path, MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"cluster_id": cluster_id, "created": time.time(), "pid": os.getpid()}, f)
+        json.dump({"cluster_id": cluster_id, "home": str(home.resolve()), "created": time.time(), "pid": os.getpid()}, f)
     return path
 
 
-def marker_id(temp_dir: str) -> str | None:
-    """The id in the marker of `temp_dir`, or None when there is no readable marker of ours."""
+def _marker(temp_dir: str) -> dict | None:
     path = Path(temp_dir, MARKER)
     try:
         st = path.lstat()
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             return None
-        cid = json.loads(path.read_text()).get("cluster_id")
-    except (OSError, ValueError, AttributeError):
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
-    return cid if isinstance(cid, str) and cid else None
+    cid = doc.get("cluster_id") if isinstance(doc, dict) else None
+    return doc if isinstance(cid, str) and cid else None
+
+
+def marker_id(temp_dir: str) -> str | None:
+    """The id in the marker of `temp_dir`, or None when there is no readable marker of ours."""
+    doc = _marker(temp_dir)
+    return doc["cluster_id"] if doc else None
+
+
+def _started_elsewhere(doc: dict, home: Path) -> bool:
+    """The marker names another state directory that still exists: another TPULAUNCH_HOME's cluster
+    (a parallel CI job's), not one this home lost track of."""
+    other = doc.get("home")
+    return isinstance(other, str) and Path(other) != home.resolve() and Path(other).is_dir()
 
 
 def check_temp_dir(temp_dir: object, cluster_id: object, record: str) -> str:
@@ -120,20 +134,30 @@ class Orphan:
     pids: tuple[int, ...]
 
 
-def find_orphans() -> list[Orphan]:
-    """Every cluster of ours on this machine: marked temp dirs, and processes carrying a cluster id."""
+def find_orphans(home: Path | None = None) -> list[Orphan]:
+    """The clusters of ours on this machine: marked temp dirs, and processes carrying a cluster id.
+
+    With `home`, not those whose marker names another state directory that still exists (every
+    TPULAUNCH_HOME's are found with None). A cluster whose temp dir is gone is always found: its
+    processes say nothing of where it was started, and nothing can use it any more."""
     by_id: dict[str, str | None] = {}
+    elsewhere: set[str] = set()
     for d in sorted(temp_root().glob(f"{PREFIX}*")):
-        cid = marker_id(str(d))
-        if cid is not None and not d.is_symlink():
-            by_id[cid] = str(d)
+        doc = _marker(str(d))
+        if doc is None or d.is_symlink():
+            continue
+        if home is not None and _started_elsewhere(doc, home):
+            elsewhere.add(doc["cluster_id"])
+        else:
+            by_id[doc["cluster_id"]] = str(d)
     prefix = f"{ID_ENV}=".encode()
     pids: dict[str, list[int]] = {}
     for proc in procfs.processes():
         for item in proc.environ().split(b"\0"):
             if item.startswith(prefix) and procfs.alive(proc.pid):
                 cid = item[len(prefix):].decode(errors="replace")
-                pids.setdefault(cid, []).append(proc.pid)
-                by_id.setdefault(cid, None)
+                if cid not in elsewhere:
+                    pids.setdefault(cid, []).append(proc.pid)
+                    by_id.setdefault(cid, None)
                 break
     return [Orphan(cid, d, tuple(pids.get(cid, ()))) for cid, d in sorted(by_id.items())]
