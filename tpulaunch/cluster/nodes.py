@@ -5,7 +5,8 @@ Each `ray start` is a Python process that imports Ray's CLI (1.3 CPU-s on these 
 construct one `ray._private.node.Node` and exit. On an emulated slice every node shares the
 machine's cores with the hosts' framework imports, so four of them cost a cold launch seconds.
 This module is run once per batch of nodes (`python -m tpulaunch.cluster.nodes`, the batch as JSON
-on stdin), constructs the same `Node` objects one after another, each with its host's TPU
+on stdin; the launcher runs a few batches side by side), constructs the same `Node` objects one
+after another, each with its host's TPU
 identity in the environment (Ray's `TPUAcceleratorManager` reads it while the node is resolved),
 prints a line per node and exits; the nodes' processes outlive it, as they outlive `ray start`.
 
@@ -16,10 +17,12 @@ monitor run on clusters left up for other drivers (`services`), not on a run's o
 clusters use this module, and every lifecycle test of the suite starts one through it, so a Ray
 release that changes `Node` fails the suite, not a user's run on a real slice.
 
-Protocol: stdin `{"nodes": [NODE, ...]}`; NODE = {"head": bool, "address": str | null,
+Protocol: stdin a line `{"nodes": [NODE, ...]}`, then (for joining nodes whose address is null and
+no head in the batch) a line with the head's address once it is up; NODE = {"index": int,
+"head": bool, "address": str | null,
 "temp_dir": str, "env": {...}, "ports": [9 ints], "chips": int, "object_store_bytes": int,
 "node_ip": str, "dashboard": bool, "services": bool}. stdout: `head ADDRESS` once the head is up,
-`node I` once node I is, `error MESSAGE` (then exit 1) if one cannot start.
+`node I` once node I (its index) is, `error MESSAGE` (then exit 1) if one cannot start.
 """
 
 from __future__ import annotations
@@ -94,11 +97,16 @@ def start_node(node: dict) -> str:
 
 
 def main() -> int:
-    batch = json.load(sys.stdin)
+    batch = json.loads(sys.stdin.readline())
+    import ray._private.node  # noqa: F401 - while the head comes up, for a helper of joining nodes
+
     _patient_get_node()
     address = None
     for i, node in enumerate(batch["nodes"]):
+        i = node.get("index", i)
         if not node["head"]:
+            if not node["address"] and not address:
+                address = sys.stdin.readline().strip()  # the head's, once it is up
             node["address"] = node["address"] or address
         try:
             got = start_node(node)
