@@ -6,7 +6,10 @@ TCP connection also takes its source port from. Between choosing such a port and
 connection on the machine (Ray's many gRPC clients, a test suite) can take it: "address already
 in use" (seen: a gloo coordinator port, and raylets started in parallel). Ports below the
 ephemeral range are never handed out that way, so a port free there now stays free until bound,
-unless someone else asks for that very number.
+unless someone else asks for that very number, or this process itself does: a cold run chooses
+its MASTER_PORT before it starts its cluster's nodes, 9 ports each (seen: a 16-host cluster took
+the run's port, and the preflight refused the run). So a port handed out here is not handed out
+again by this process.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import random
 import socket
 
 LOWEST = 10000  # below it: well-known and registered services
+_handed_out: set[int] = set()  # ports this process promised already (their owners may not have bound them yet)
 
 
 def _ephemeral_low() -> int:
@@ -35,27 +39,29 @@ def _is_free(port: int) -> bool:
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free now, outside the ephemeral range (falling back to bind(0))."""
+    """`n` distinct ports free now and not handed out before, outside the ephemeral range (falling
+    back to bind(0))."""
     top = _ephemeral_low()
     out: list[int] = []
     if top - LOWEST > 10 * n:
         for port in random.sample(range(LOWEST, top), min(top - LOWEST, 50 * n)):
-            if _is_free(port):
+            if port not in _handed_out and _is_free(port):
                 out.append(port)
                 if len(out) == n:
-                    return out
+                    break
     socks = []
     try:
         while len(out) < n:
             s = socket.socket()
             s.bind(("", 0))
             socks.append(s)
-            if s.getsockname()[1] not in out:
+            if s.getsockname()[1] not in out and s.getsockname()[1] not in _handed_out:
                 out.append(s.getsockname()[1])
-        return out
     finally:
         for s in socks:
             s.close()
+    _handed_out.update(out)
+    return out
 
 
 def free_port() -> int:
