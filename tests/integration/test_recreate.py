@@ -60,7 +60,7 @@ def cloud(tmp_path_factory):
     base = tmp_path_factory.mktemp("recreate")
     slices = base / "slices.json"
     temp_dir = f"/tmp/tplr-{uuid.uuid4().hex[:8]}"
-    with FakeTpuApi(wait_s=0.5, provision_s=1, suspend_s=1, stockout_fail_s=1, gcloud_slices=str(slices)) as api:
+    with FakeTpuApi(wait_s=0.2, provision_s=0.3, suspend_s=0.5, stockout_fail_s=0.5, gcloud_slices=str(slices)) as api:
         env = cli_env(base / "home", gcloud=True, TPULAUNCH_HOME=str(base / "tplhome"),
                       TPULAUNCH_TPU_API_ENDPOINT=api.url, FAKE_GCLOUD_LOG=str(base / "gcloud.log"),
                       FAKE_GCLOUD_SLICES=str(slices),
@@ -269,7 +269,7 @@ def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
         assert done.returncode == 0, done.stderr
     again = up_two_slices(cloud)
     assert again.returncode == 0, again.stderr
-    run_id = submit(cloud, "--num-slices", "2", "--max-preemptions", "1", "--preemption-wait", "10")
+    run_id = submit(cloud, "--num-slices", "2", "--max-preemptions", "1", "--preemption-wait", "4")
     wait_for_checkpoints(cloud, run_id, step=2)
     cloud["api"].set_capacity(stockout=True)
     preempt(cloud, MS[0])
@@ -277,7 +277,7 @@ def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
     assert wait.returncode == 75, wait.stdout + wait.stderr
     final = json.loads(wait.stdout)
     assert "There is no more capacity in the zone" in final["note"], final["note"]
-    assert "--preemption-wait 10" in final["note"]
+    assert "--preemption-wait 4" in final["note"]
     creates_after = [e for e in cloud["api"].events[cloud["api"].events.index("stockout True"):] if e.startswith("create")]
     assert len(creates_after) >= 2 and set(creates_after) == {f"create {MS[0]}"}  # asked again; ms-b left alone
     down = cli(cloud, "cluster", "down", "--json", timeout=120)  # ms-a is gone: down still ends ms-b and the head

@@ -60,7 +60,7 @@ def test_kept_cluster_is_warm_for_the_next_run_and_reaped_once_idle(tmp_path):
 
     # 1. starts its own cluster, keeps it; runs longer than the idle time (the reaper must wait)
     first = _run(work, home, logs / "1", "--keep-cluster", "--idle-timeout", str(IDLE_S),
-                 script_args=("--sleep", str(IDLE_S + 5)))
+                 script_args=("--sleep", str(IDLE_S + 2)))
     assert first.returncode == 0, first.stderr[-3000:]
     assert "kept the emulated cluster" in first.stderr and "tpulaunch cluster down" in first.stderr
     assert "cluster_start_s" in last_summary(logs / "1")["timings"]
