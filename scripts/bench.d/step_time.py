@@ -29,14 +29,19 @@ except Exception:  # noqa: BLE001 - direct run: build the mesh like tpulaunch wo
     import torch_xla.runtime as xr
 
     from tpulaunch.host import context as runcontext
-    from tpulaunch.plan import topology
     from tpulaunch.host.frameworks.torch_xla import ADAPTER
+    from tpulaunch.plan import topology
+    from tpulaunch.plan.launch import build_plan
     from tpulaunch.plan.mesh import plan_mesh
+    from tpulaunch.plan.slicespec import SliceSpec
 
     xr.use_spmd()
-    plan = plan_mesh(topology.resolve(topology=os.environ.get("BENCH_TOPOLOGY", "2x4")))
-    mesh = ADAPTER.build_mesh(plan, None)
-    runcontext._install(runcontext.RunContext("direct", 0, 1, 0, 0, 1, "direct", "", "", "", "torch_xla", True, "", plan), mesh)
+    topo = topology.resolve(topology=os.environ.get("BENCH_TOPOLOGY", "2x4"))
+    plan = build_plan(slices=[SliceSpec.emulated_from(topo, "direct")], mesh=plan_mesh(topo), script=recipe,
+                      framework="torch_xla", run_id="direct", coordinator_port=1, emulated=True, log_dir="/tmp",
+                      workdir=os.getcwd())
+    mesh = ADAPTER.build_mesh(plan.mesh, plan.state(0))
+    runcontext._install(runcontext.RunContext(plan.state(0)), mesh)
 sys.argv = [recipe, *sys.argv[1:]]
 runpy.run_path(recipe, run_name="__main__")
 steps = [b - a for a, b in zip(_times, _times[1:])][5:]  # drop compile/warm-up steps
