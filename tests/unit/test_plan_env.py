@@ -111,6 +111,22 @@ def test_user_env_wins_over_everything_on_every_attempt():
     assert static["MASTER_PORT"] == "999" and "MASTER_PORT" not in per_run
 
 
+def test_a_users_xla_flags_join_the_emulations_on_an_emulated_jax_host():
+    t = T.resolve(topology="2x8")
+    jax_env = frameworks.get("jax").emulation_env(t, 1)
+
+    def xla_flags(user_env: dict, emulated: bool = True) -> str | None:
+        p = build_plan(slices=[SliceSpec.emulated_from(t, "e")], mesh=plan_mesh(t), script="t.py", framework="jax",
+                       user_env=user_env, run_id="r", coordinator_port=1, jax_coordinator_port=2, emulated=emulated,
+                       emulation_env=jax_env if emulated else None, log_dir="/l", workdir="/w")
+        return p.env(0).get("XLA_FLAGS")
+
+    # without them a user's --env XLA_FLAGS=--xla_dump_to=... left JAX one CPU device per host
+    assert xla_flags({"XLA_FLAGS": "--xla_dump_to=/tmp/d"}) == jax_env["XLA_FLAGS"] + " --xla_dump_to=/tmp/d"
+    assert xla_flags({}) == jax_env["XLA_FLAGS"]
+    assert xla_flags({"XLA_FLAGS": "--xla_dump_to=/tmp/d"}, emulated=False) == "--xla_dump_to=/tmp/d"
+
+
 def test_endpoints_move_only_the_ports_a_plan_has():
     e = Endpoints("10.0.0.2", master_port=8476, group_port=8478)
     moved = e.moved(master_port=1, group_port=2, jax_port=3, emulation_port=4)

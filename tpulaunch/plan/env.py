@@ -15,7 +15,7 @@ What is pushed, and for whom:
 * `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` for JAX;
 * `MEGASCALE_*` on multislice;
 * on emulated hosts the framework adapter's CPU settings (`Job.emulation_env`);
-* the user's `--env`, last, over everything.
+* the user's `--env`, last, over everything (its `XLA_FLAGS` after the emulation's own).
 """
 
 from __future__ import annotations
@@ -76,6 +76,10 @@ def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
         if ends.emulation_port is not None:
             per_run["TPULAUNCH_EMULATION_PORT"] = str(ends.emulation_port)
     static.update(job.user_env)
+    if job.emulated and "XLA_FLAGS" in job.emulation_env and "XLA_FLAGS" in job.user_env:
+        # both: the emulation's CPU device count and the user's own flags (a dump dir, say); the
+        # user's come last, and XLA takes the last of a flag given twice
+        static["XLA_FLAGS"] = f"{job.emulation_env['XLA_FLAGS']} {job.user_env['XLA_FLAGS']}"
     for key in job.user_env:
         per_run.pop(key, None)
     return static, per_run
