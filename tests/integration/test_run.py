@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from support import REPO, cli_env, last_summary, processes_mentioning, run_cli, write_scripts
-from tpulaunch import procfs
 
 SCRIPTS = {
     "allreduce.py": """
@@ -159,50 +158,3 @@ def test_emulated_multislice_trains(tmp_path):
         log = Path(h["log"]).read_text()
         losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", log)]
         assert len(losses) >= 3 and losses[-1] < losses[0], (h["process_index"], losses)
-
-
-
-
-SIXTEEN = """
-    import os
-
-    def parent(pid):
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-
-    def name(pid):
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-
-    node = os.getpid()  # the Ray node this host runs on: the raylet above this process
-    while node > 1 and name(node) != "raylet":
-        node = parent(node)
-    hosts = os.environ["TPU_WORKER_HOSTNAMES"].split(",")
-    print("worker", os.environ["TPU_WORKER_ID"], "of", len(hosts), os.environ["TPU_ACCELERATOR_TYPE"], "raylet", node,
-          flush=True)
-"""
-
-
-@pytest.mark.lifecycle
-def test_sixteen_hosts_on_sixteen_real_ray_nodes(tmp_path):
-    """The largest slice the suite starts: v6e-64 (8x8), 16 hosts, each its own real Ray node, from
-    a cold start; every host's line on the terminal (16 is the most shown in full), every host's
-    log kept, and nothing of the cluster left once the run is over. The script imports nothing of
-    ours: what it reads is what a TPU VM's environment holds."""
-    work = write_scripts(tmp_path, {"sixteen.py": SIXTEEN})
-    proc = run_cli("run", "sixteen.py", "--topology", "8x8", "--framework", "none", "--log-dir", str(tmp_path / "runs"),
-                   "--timeout", "300", cwd=work, env=cli_env(TPULAUNCH_HOME=str(tmp_path / "home")), timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "EMULATED slice: 1 x v6e-64 (8x8), 16 host process(es)" in proc.stderr
-    s = last_summary(tmp_path / "runs")
-    assert [(h["process_index"], h["worker_id"], h["exit_code"]) for h in s["hosts"]] == [(i, i, 0) for i in range(16)]
-    raylets = {}
-    for h in s["hosts"]:
-        i = h["process_index"]
-        (line,) = [ln for ln in Path(h["log"]).read_text().splitlines() if ln.startswith("worker ")]
-        assert line.startswith(f"worker {i} of 16 v6e-64 raylet "), line
-        raylets[i] = int(line.rsplit(" ", 1)[1])
-        assert f"[host {i}] {line}" in proc.stdout
-    assert len(set(raylets.values())) == 16 and 1 not in raylets.values(), raylets
-    assert not [pid for pid in raylets.values() if procfs.alive(pid)], "a raylet outlived the run"
-    assert processes_mentioning([f"TPULAUNCH_RUN_ID={s['run_id']}", f"tpulaunch-run-{s['run_id']}-"]) == []
