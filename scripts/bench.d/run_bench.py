@@ -376,7 +376,8 @@ def real_scale_section(ctx: dict) -> str:
 Measured on {datetime.date.today().isoformat()}: `tpulaunch run noframework.py --framework none` on emulated slices
 of 4 to 32 hosts, each host a real Ray node on this machine ({os.cpu_count()} cores). Cold: the run starts and
 stops its own cluster. Warm: on `cluster up` (after one run), median of {ctx['n']}. Launcher CPU: the
-`tpulaunch` process itself (user + system), not Ray's daemons. Growth is relative to 8 hosts.
+`tpulaunch` process (user + system) with the helpers it reaps (a cold run's node starters, up to 3
+processes that each import Ray), not Ray's daemons. Growth is relative to 8 hosts.
 
 | hosts | topology | cold (s) | cold launcher CPU (s) | cluster up (s) | warm (s) | warm launcher CPU (s) | cold vs 8 | warm vs 8 |
 | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
