@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -461,7 +462,12 @@ def main() -> None:
     env.pop("RAY_ADDRESS", None)
     ctx = {"n": args.repeat, "env": env, "logs": ["--log-dir", os.path.join(home, "runs")],
            "noop": str((HERE / "noop.py").relative_to(REPO))}
-    done = {name: SECTIONS[name](ctx) for name in SECTIONS if name in wanted}
+    try:
+        done = {name: SECTIONS[name](ctx) for name in SECTIONS if name in wanted}
+    except BaseException:
+        print(f"bench: the runs' logs are kept in {home}", file=sys.stderr)
+        raise
+    shutil.rmtree(home, ignore_errors=True)  # every run succeeded: its logs are not needed
     print(write(Path(args.out), done))
 
 
