@@ -102,8 +102,7 @@ def main() -> int:
 
     _patient_get_node()
     address = None
-    for i, node in enumerate(batch["nodes"]):
-        i = node.get("index", i)
+    for node in batch["nodes"]:
         if not node["head"]:
             if not node["address"] and not address:
                 address = sys.stdin.readline().strip()  # the head's, once it is up
@@ -119,7 +118,7 @@ def main() -> int:
             address = got
             print(f"head {got}", flush=True)
         else:
-            print(f"node {i}", flush=True)
+            print(f"node {node['index']}", flush=True)
     return 0
 
 
