@@ -43,7 +43,7 @@ from tpulaunch.host import frameworks
 from tpulaunch.plan.env import host_env
 from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache, new_run_id
 from tpulaunch.plan.contract import HostState
-from tpulaunch.plan.mesh import parse_axes, plan_mesh
+from tpulaunch.plan.mesh import check_placement, parse_axes, plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -76,7 +76,7 @@ class WorkerFacts:
 
 def plan_for_workers(
     facts: list[WorkerFacts], *, framework: str, mesh: str | None, dcn: str | None, run_id: str,
-    ports: list[int], attempt: int = 0, compile_cache: str | bool = True, log_dir: str = "",
+    ports: list[int], attempt: int = 0, compile_cache: str | bool = True, log_dir: str = "", placement: str = "auto",
 ) -> tuple[LaunchPlan, dict[int, HostState]]:
     """Plan the launch for a worker group: the LaunchPlan and each rank's HostState. Pure.
 
@@ -116,7 +116,7 @@ def plan_for_workers(
     emulated = slices[0].emulated
     fw = frameworks.get(framework)
     plan = build_plan(
-        slices=slices, mesh=plan_mesh(topology, mesh, dcn, len(slices)), script="<ray-train>",
+        slices=slices, mesh=plan_mesh(topology, mesh, dcn, len(slices), placement), script="<ray-train>",
         framework=framework, run_id=run_id, coordinator_port=ports[0],
         jax_coordinator_port=ports[1] if framework == "jax" else None,
         emulated=emulated, emulation_env=fw.emulation_env(topology, len(slices)),
@@ -225,6 +225,7 @@ class _SliceBackend(Backend):
     def _boot_all(self, worker_group: Any, backend_config: Any) -> None:
         facts: list[WorkerFacts] = worker_group.execute(_worker_facts)
         args = dict(framework=self.framework, mesh=backend_config.mesh, dcn=backend_config.dcn,
+                    placement=backend_config.placement,
                     run_id=self._run_id, attempt=self._attempt, compile_cache=backend_config.compile_cache)
         _, states = plan_for_workers(facts, ports=[0, 0, 0], **args)  # checks the workers, finds process 0
         zero = next(rank for rank, state in states.items() if state.process_index == 0)
@@ -259,8 +260,9 @@ class _JaxBackend(_SliceBackend):
     framework = "jax"
 
 
-def _check_axes(mesh: str | None, dcn: str | None) -> None:
+def _check_axes(mesh: str | None, dcn: str | None, placement: str = "auto") -> None:
     """Bad mesh syntax fails on the driver, before Ray Train starts anything."""
+    check_placement(placement)
     if mesh:
         parse_axes(mesh)
     if dcn:
@@ -275,13 +277,14 @@ class _SliceOptions:
     dcn: str | None = None
     env: dict | None = None
     compile_cache: Any = True
+    placement: str = "auto"  # how the mesh is laid onto the chips, as `--placement`
 
     def __post_init__(self) -> None:
-        _check_axes(self.mesh, self.dcn)
+        _check_axes(self.mesh, self.dcn, self.placement)
         self.env = dict(self.env or {})
 
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "mesh": self.mesh, "dcn": self.dcn}  # type: ignore[misc]
+        return {**super().to_dict(), "mesh": self.mesh, "dcn": self.dcn, "placement": self.placement}  # type: ignore[misc]
 
 
 @dataclass

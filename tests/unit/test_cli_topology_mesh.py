@@ -240,7 +240,7 @@ def test_mesh_inspect_one_host_is_1d():
     proc = invoke("mesh", "inspect", "-a", "v6e-8")
     assert proc.returncode == 0, proc.stderr
     assert "mesh data=8 over v6e-8 (2x4), 8 devices" in proc.stdout
-    assert "data: 0 1 3 2 4 5 7 6" in proc.stdout
+    assert "data: 0 2 4 6 7 5 3 1" in proc.stdout  # one closed ring of the 2x4 chips: 1 hop a step
 
 
 def test_mesh_inspect_multislice():

@@ -87,9 +87,14 @@ def test_default_mesh_several_hosts_is_hosts_by_devices(spec, gen, num_slices):
         assert sorted(ids) == plan.process_device_ids(p)
         row_process.append(p)
     assert sorted(row_process) == list(range(plan.num_processes))
-    # rows follow the torus walk: slices outermost, then the hosts in snake order over the host grid
+    assert plan.layout().keeps_host_rows  # each row one host: per-host input loads one share per host
+    # slices outermost
+    assert [p // t.num_hosts for p in row_process] == sorted(p // t.num_hosts for p in row_process)
+    # with placement=host the rows follow the torus walk: the hosts in snake order over the host grid
+    walk = M.plan_mesh(t, num_slices=num_slices, placement="host")
     snake = [t.worker_id_of_grid(g) for g in M.snake(t.host_bounds)]
-    assert row_process == [s * t.num_hosts + w for s in range(num_slices) for w in snake]
+    assert [walk.device(row[0]).process for row in walk.grid()] == [
+        s * t.num_hosts + w for s in range(num_slices) for w in snake]
 
 
 # -- explicit meshes ------------------------------------------------------------------------------
@@ -279,14 +284,15 @@ def _check_inner_axis_neighbours(plan: M.MeshPlan) -> int:
 
 
 @pytest.mark.parametrize("gen, shape", _shapes_for_neighbour_check())
-def test_inner_axis_steps_between_torus_neighbours(gen, shape):
+def test_host_placement_steps_between_torus_neighbours(gen, shape):
+    """The `host` placement (the rule before `auto`): hosts in snake order, each a contiguous block."""
     g = T.GENERATIONS[gen]
     t = T.make_topology(g, T.parse_shape(shape))
-    plans = [M.plan_mesh(t), M.plan_mesh(t, f"x={t.devices}")]
+    plans = [M.plan_mesh(t, placement="host"), M.plan_mesh(t, f"x={t.devices}", placement="host")]
     if t.devices % 2 == 0 and t.devices > 2:
-        plans.append(M.plan_mesh(t, "a=2,b=-1"))
+        plans.append(M.plan_mesh(t, "a=2,b=-1", placement="host"))
     if t.devices_per_host % 2 == 0:
-        plans.append(M.plan_mesh(t, f"a=-1,b={t.devices_per_host // 2}"))
+        plans.append(M.plan_mesh(t, f"a=-1,b={t.devices_per_host // 2}", placement="host"))
     total = sum(_check_inner_axis_neighbours(p) for p in plans)
     assert total > 0 or t.devices == 1
     # rule 2: every aligned block of devices_per_host positions of the 1D mesh is one host
@@ -299,7 +305,7 @@ def test_inner_axis_steps_between_torus_neighbours(gen, shape):
 @pytest.mark.parametrize("spec, gen, cph", [("2x4", "v6e", 4), ("2x4", "v5e", 4), ("2x4", "v5e", None)])
 def test_neighbour_rule_on_two_vm_and_single_vm_2x4(spec, gen, cph):
     t = topo(spec, gen, chips_per_host=cph)
-    plan = M.plan_mesh(t, "x=8")
+    plan = M.plan_mesh(t, "x=8", placement="host")
     assert _check_inner_axis_neighbours(plan) == 8 - t.num_hosts
 
 

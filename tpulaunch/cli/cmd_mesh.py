@@ -27,6 +27,7 @@ def inspect(
     chips_per_host: Optional[int] = opt.CHIPS_PER_HOST,
     mesh: Optional[str] = opt.MESH,
     dcn: Optional[str] = opt.DCN,
+    placement: str = opt.PLACEMENT,
     num_slices: Optional[int] = opt.NUM_SLICES,
     tpu: Optional[str] = opt.TPU,
     zone: Optional[str] = opt.ZONE,
@@ -51,7 +52,7 @@ def inspect(
             resolved = discover.resolve(req)
     else:
         resolved = discover.resolve(req)
-    plan = mesh_mod.plan_mesh(resolved.topology, mesh, dcn, resolved.num_slices)
+    plan = mesh_mod.plan_mesh(resolved.topology, mesh, dcn, resolved.num_slices, placement)
     sharding = None
     if shard or spec:
         if not (shard and spec):

@@ -150,6 +150,7 @@ def run_cmd(
     num_slices: Optional[int] = opt.NUM_SLICES,
     mesh: Optional[str] = opt.MESH,
     dcn: Optional[str] = opt.DCN,
+    placement: str = opt.PLACEMENT,
     framework: str = typer.Option("auto", "--framework", "-f", help="torch_xla, jax, none (boot no framework), or auto (from the script's imports)."),
     env: Optional[List[str]] = opt.ENV,
     address: Optional[str] = typer.Option(
@@ -205,7 +206,7 @@ def run_cmd(
         slices=discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host, tpu=tpu,
                                      queued_resource=queued_resource, zone=zone, project=project, num_slices=num_slices,
                                      dcn=dcn, force=force),
-        mesh=mesh, framework=framework, env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, straggler_ratio=straggler_ratio, address=address,
+        mesh=mesh, placement=placement, framework=framework, env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, straggler_ratio=straggler_ratio, address=address,
         coordinator_port=coordinator_port,
         distributed=not no_dist, log_dir=log_dir, workdir=workdir, schedule_timeout=schedule_timeout,
         max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout, max_restarts=max_restarts,

@@ -31,6 +31,11 @@ MESH = typer.Option(
          " data=hosts,model=devices_per_host over several.",
 )
 DCN = typer.Option(None, "--dcn", help="Slices per axis across the data-centre network, e.g. data=2 (multislice).")
+PLACEMENT = typer.Option(
+    "auto", "--placement",
+    help="How the mesh is laid onto the chips: auto (fewest ICI hops per ring step, each host on whole rows of"
+         " the first axis where that can be), ici (fewest hops, nothing else asked), host (each host one"
+         " contiguous block of the mesh, the rule before 0.2).")
 
 # -- runs ---------------------------------------------------------------------------------------
 ENV = typer.Option(None, "--env", "-e", help="Extra KEY=VALUE for every host (repeatable).")

@@ -114,6 +114,42 @@ def mesh_header(plan: MeshPlan) -> str:
     return f"mesh {axes}{dcn} over {slices}{t.accelerator_type} ({t.topology}), {plan.num_devices} devices"
 
 
+def _hops(v: float | None) -> str:
+    return "-" if v is None else f"{v:g}"
+
+
+def placement_line(plan: MeshPlan) -> str:
+    """Which placement, and whether per-host input loads one share per host."""
+    if plan.layout().keeps_host_rows:
+        rows = f"each host holds whole rows of {plan.axis_names[0]} (per-host input: one share per host)"
+    else:
+        rows = f"hosts share rows of {plan.axis_names[0]} (per-host input must load the same rows on those hosts)"
+    return f"placement {plan.placement}: {rows}"
+
+
+def cost_lines(plan: MeshPlan) -> list[str]:
+    """ICI hops per ring step of every axis, with the best any layout gives it."""
+    parts = []
+    for c in plan.cost():
+        if c["hops"] is None:
+            parts.append(f"{c['axis']} -" + (f" (DCN x{c['dcn']})" if c["dcn"] > 1 else ""))
+        else:
+            dcn = f", DCN x{c['dcn']}" if c["dcn"] > 1 else ""
+            parts.append(f"{c['axis']} {_hops(c['hops'])} (ideal {_hops(c['ideal'])}{dcn})")
+    return ["ICI hops per ring step: " + ", ".join(parts), placement_line(plan)]
+
+
+def cost_table(plan: MeshPlan) -> Table:
+    table = Table(title="ICI hops per ring step", title_justify="left")
+    for col in ("axis", "size", "ICI", "DCN", "hops/step", "ideal"):
+        table.add_column(col, justify="left" if col == "axis" else "right")
+    for c in plan.cost():
+        worse = c["hops"] is not None and c["ideal"] is not None and c["hops"] > c["ideal"] + 1e-9
+        table.add_row(c["axis"], str(c["size"]), str(c["ici"]), str(c["dcn"]),
+                      Text(_hops(c["hops"]), style="yellow" if worse else "green"), _hops(c["ideal"]))
+    return table
+
+
 def mesh_rich(plan: MeshPlan) -> Group:
     labels, rows = _grid_rows(plan)
     proc_of = {d: plan.device(d).process for d in plan.device_ids()}
@@ -128,6 +164,8 @@ def mesh_rich(plan: MeshPlan) -> Group:
     if len(rows) > MAX_ROWS:
         parts.append(Text(f"... {len(rows) - MAX_ROWS} more rows (use --json for all)", style="dim"))
     parts.append(Text("cells: device id, colored by host", style="dim"))
+    parts.append(cost_table(plan))
+    parts.append(Text("1 = every step to a neighbouring chip; " + placement_line(plan), style="dim"))
     parts.append(hosts_table(plan))
     return Group(*parts)
 
@@ -159,6 +197,7 @@ def mesh_lines(plan: MeshPlan) -> list[str]:
         out.append(f"{label}: " + " ".join(str(d) for d in row))
     if len(rows) > MAX_ROWS:
         out.append(f"... {len(rows) - MAX_ROWS} more rows (use --json for all)")
+    out.extend(cost_lines(plan))
     t = plan.topology
     for p in range(min(plan.num_processes, MAX_ROWS)):
         out.append(

@@ -13,20 +13,14 @@ Device ids
     emulated slice these are exactly the CPU runtime's device ordinals; on a TPU the agent maps
     them to runtime ordinals through each device's `coords` / `core_on_chip` / `slice_index`.
 
-Placement rule (how mesh positions map to chips)
-    1. Order the devices of one slice along a *torus walk*: hosts in boustrophedon ("snake")
-       order over the host grid, and inside each host its chips in snake order over the host's
-       chip block, cores innermost. Consecutive chips in the walk are torus neighbours inside
-       a host (across a host boundary only sometimes: not, e.g., between the z-stacked hosts
-       of a 2x2xN slice).
-    2. Fill the per-slice (ICI) mesh in row-major order from that walk. So the innermost axes
-       step between neighbouring chips, like JAX's `mesh_utils.create_device_mesh`, and an
-       inner block of `devices_per_host` positions is exactly one host: with the default
-       `(hosts, devices_per_host)` mesh each row is one host and model-parallel traffic stays
-       on that host's own interconnect.
-    3. Multislice (DCN): slice `s` takes the block at row-major position `s` of the DCN shape;
+Placement (how mesh positions map to chips): see `placement.py`
+    1. Each slice's (ICI) mesh is laid onto the torus by the placement the plan names
+       (`auto` by default, `ici`, or `host`, the old host-walk rule), scored per axis in ICI hops
+       per ring step (`MeshPlan.cost()`); `auto` keeps each host's devices on whole rows of the
+       first axis where the other axes fit in a host, so per-host input loads one share per host.
+    2. Multislice (DCN): slice `s` takes the block at row-major position `s` of the DCN shape;
        along each axis the DCN index is the outer part: `index = dcn_index * ici_size + ici_index`
-       (the `HybridMesh` / `create_hybrid_device_mesh` convention).
+       (the `HybridMesh` / `create_hybrid_device_mesh` convention). DCN axes are outermost.
 """
 
 from __future__ import annotations
@@ -38,6 +32,8 @@ from functools import cached_property
 from typing import Iterator, Sequence
 
 from tpulaunch.errors import MeshError
+from tpulaunch.plan import placement as placement_mod
+from tpulaunch.plan.placement import PLACEMENTS, snake  # noqa: F401  (snake: the host walk, for tests)
 from tpulaunch.plan.topology import Coord, Topology
 
 _AXIS_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -114,23 +110,6 @@ def _infer(axes: AxisSpec, total: int, what: str) -> tuple[int, ...]:
     return tuple(n for _, n in axes)
 
 
-# -- the torus walk -----------------------------------------------------------------------------
-
-
-def snake(bounds: Coord) -> list[Coord]:
-    """Boustrophedon walk over an (X, Y, Z) box: consecutive coordinates are neighbours."""
-    bx, by, bz = bounds
-    out: list[Coord] = []
-    row = 0
-    for z in range(bz):
-        ys = range(by) if z % 2 == 0 else range(by - 1, -1, -1)
-        for y in ys:
-            xs = range(bx) if row % 2 == 0 else range(bx - 1, -1, -1)
-            out.extend((x, y, z) for x in xs)
-            row += 1
-    return out
-
-
 # -- the plan -----------------------------------------------------------------------------------
 
 
@@ -143,6 +122,7 @@ class MeshPlan:
     ici_shape: tuple[int, ...]
     dcn_shape: tuple[int, ...]
     num_slices: int = 1
+    placement: str = "auto"  # see placement.py: auto, ici or host
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -169,31 +149,10 @@ class MeshPlan:
         chip = t.host_chips(w)[chip_i]
         return Device(device_id, s, w, s * t.num_hosts + w, chip, core)
 
-    def _slice_walk(self) -> list[int]:
-        """Device ids of slice 0 in torus-walk order (rule 1 of the module docstring)."""
-        t = self.topology
-        dpc = t.generation.devices_per_chip
-        block = t.chips_per_host_bounds
-        local_index = {c: i for i, c in enumerate(snake(block))}
-        # x-fastest index of each chip inside its host block (the device-id order)
-        xfast = {
-            (x, y, z): x + block[0] * (y + block[1] * z)
-            for z in range(block[2]) for y in range(block[1]) for x in range(block[0])
-        }
-        order = sorted(local_index, key=local_index.get)  # type: ignore[arg-type]
-        walk: list[int] = []
-        for grid in snake(t.host_bounds):
-            w = t.worker_id_of_grid(grid)
-            base = w * t.devices_per_host
-            for c in order:
-                for core in range(dpc):
-                    walk.append(base + xfast[c] * dpc + core)
-        return walk
-
     @cached_property
     def _grid(self) -> list[int]:
         """Device ids in row-major order of `shape` (cached; not pickled)."""
-        walk = self._slice_walk()
+        walk = self.layout().ids.reshape(-1).tolist()
         per_slice = self.topology.devices
         ici, dcn, shape = self.ici_shape, self.dcn_shape, self.shape
         grid = [0] * math.prod(shape)
@@ -204,6 +163,24 @@ class MeshPlan:
                 full = tuple(d * i_size + i for d, i, i_size in zip(dcn_idx, ici_idx, ici))
                 grid[_ravel(full, shape)] = s * per_slice + dev
         return grid
+
+    def layout(self) -> placement_mod.Layout:
+        """One slice's layout (slice-local device ids with the ICI shape) and its scores."""
+        return placement_mod.layout(self.topology, self.ici_shape, self.placement)
+
+    def cost(self) -> list[dict]:
+        """Per axis: its sizes, ICI hops per ring step in this layout, and the best any layout gives.
+
+        `hops` is None for an axis with no ICI extent (it crosses slices only, over DCN).
+        """
+        lay = self.layout()
+        best = placement_mod.ideal(self.topology, self.ici_shape)
+        return [
+            {"axis": name, "size": size, "ici": ici, "dcn": dcn,
+             "hops": None if h is None else round(h, 4), "ideal": None if b is None else round(b, 4)}
+            for name, size, ici, dcn, h, b in zip(self.axis_names, self.shape, self.ici_shape, self.dcn_shape,
+                                                  lay.hops, best)
+        ]
 
     def device_ids(self) -> list[int]:
         """Flat device ids in row-major mesh order (the `device_ids` of a torch_xla Mesh)."""
@@ -278,6 +255,9 @@ class MeshPlan:
             "accelerator_type": t.accelerator_type,
             "topology": t.topology,
             "devices_per_host": t.devices_per_host,
+            "placement": self.placement,
+            "keeps_host_rows": self.layout().keeps_host_rows,
+            "cost": self.cost(),
             "grid": self.grid(),
         }
         if devices:
@@ -311,11 +291,17 @@ def check_num_slices(topology: Topology, num_slices: int) -> None:
                         "use one slice, or a v4 or later generation")
 
 
+def check_placement(placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise MeshError(f"--placement {placement[:40]!r} is not a placement", f"use one of {', '.join(PLACEMENTS)}")
+
+
 def plan_mesh(
     topology: Topology,
     mesh: str | AxisSpec | None = None,
     dcn: str | AxisSpec | None = None,
     num_slices: int | None = None,
+    placement: str = "auto",
 ) -> MeshPlan:
     """Plan the mesh for `num_slices` copies of `topology`.
 
@@ -323,7 +309,9 @@ def plan_mesh(
     host, `("data", "model") = (hosts, devices_per_host)` over several. `dcn` gives how many
     slices each axis spans, e.g. `data=2`; an axis named only in `dcn` is added as the outermost
     axis. The full mesh is the elementwise product of the two, as in torch_xla's `HybridMesh`.
+    `placement` (`auto`, `ici`, `host`) lays each slice's mesh onto its chips; see `placement.py`.
     """
+    check_placement(placement)
     ici_axes = parse_axes(mesh) if isinstance(mesh, str) else mesh
     dcn_axes = parse_axes(dcn, "--dcn") if isinstance(dcn, str) else dcn
     if dcn_axes and any(n == -1 for _, n in dcn_axes):
@@ -358,7 +346,7 @@ def plan_mesh(
             f" but there are {num_slices}",
             "make the DCN sizes multiply to --num-slices",
         )
-    return MeshPlan(topology, tuple(names), tuple(ici_list), dcn_shape, num_slices)
+    return MeshPlan(topology, tuple(names), tuple(ici_list), dcn_shape, num_slices, placement)
 
 
 # -- sharding of one tensor ---------------------------------------------------------------------

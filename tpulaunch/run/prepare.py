@@ -36,6 +36,7 @@ class LaunchRequest:
     command: tuple[str, ...] = ()  # exec: a command instead of a script
     slices: discover.SliceRequest = field(default_factory=discover.SliceRequest)
     mesh: str | None = None
+    placement: str = "auto"  # how the mesh is laid onto the chips (`plan.placement`)
     framework: str = "auto"
     env: tuple[str, ...] = ()
     address: str | None = None
@@ -193,7 +194,7 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
     fw, reason = _framework(req, workdir)
     if not req.command:
         frameworks.require_installed(fw)
-    mesh = plan_mesh(resolved.topology, req.mesh, req.slices.dcn, resolved.num_slices)
+    mesh = plan_mesh(resolved.topology, req.mesh, req.slices.dcn, resolved.num_slices, req.placement)
     run_id = req.run_id or new_run_id()
     port = req.coordinator_port or (free_port() if emulated else 8476)
     plan = build_plan(
