@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from tpulaunch.plan import placement
 from tpulaunch.plan.launch import build_plan
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
@@ -19,6 +20,8 @@ SLICES = (("tpu7x-32", 16), ("tpu7x-512", 256), ("tpu7x-8192", 4096), ("tpu7x-18
 
 
 def plan_once(acc: str) -> dict[str, float]:
+    for cached in (placement.layout, placement._search, placement._best_walk):
+        cached.cache_clear()  # every run plans from scratch, placement search included
     t0 = time.perf_counter()
     topo = resolve(acc)
     mesh = plan_mesh(topo)

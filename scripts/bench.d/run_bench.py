@@ -64,6 +64,33 @@ Whole command, `tpulaunch mesh inspect` piped (process start, imports, plan, pri
 """
 
 
+def mesh_section(_ctx: dict) -> str:
+    sys.path.insert(0, str(HERE))
+    import mesh_scores
+
+    rows = mesh_scores.measure()
+    worse = [r for r in rows if not r["no_worse"]]
+    verdict = ("tpulaunch's layout is no worse than mesh_utils' in every case (innermost axis first, then the total)"
+               if not worse else f"WORSE than mesh_utils in {len(worse)} case(s): " + ", ".join(r["slice"] for r in worse))
+    return f"""## Mesh cost on pods: ICI hops per ring step (by model)
+
+Measured on {datetime.date.today().isoformat()} (`scripts/bench.d/mesh_scores.py`, pure, from the chips' coordinates).
+Each axis's mean ICI hops per step of a ring along it (closure included; 1 = every step to a
+neighbouring chip; two cores of a chip are 0 apart), axes in mesh order, innermost last.
+Wraparound on 3-D dimensions of 4+ chips and 2-D dimensions of 16+. "mesh_utils" is JAX
+{_jax_version()}'s `create_device_mesh` given devices with the slice's coordinates; "refuses": it builds
+no mesh for that shape. "hosts own rows": every row of the first axis on one host (per-host input).
+{verdict}.
+
+{mesh_scores.table(rows)}"""
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__
+
+
 def floor_at_once(n: int, procs: int, env: dict, noop: str) -> float:
     """Median seconds for `procs` copies of noop.py started at once (what emulated hosts must do)."""
     def once() -> float:
@@ -420,7 +447,7 @@ budget is 1.5 s).
 """
 
 
-SECTIONS = {"planning": planning_section, "launch": launch_section, "steps": step_section, "scaling": scaling_section,
+SECTIONS = {"planning": planning_section, "mesh": mesh_section, "launch": launch_section, "steps": step_section, "scaling": scaling_section,
             "first_step": first_step_section, "preflight": preflight_section, "scale": scale_section,
             "real_scale": real_scale_section}
 MARK = "<!-- bench section: {} -->"

@@ -15,55 +15,12 @@ import math
 import numpy as np
 import pytest
 
-from jax._src import mesh_utils
-
+from mesh_utils_ref import devices, hybrid, jax_ids, no_worse
 from tpulaunch.errors import MeshError
 from tpulaunch.plan import catalog as C
 from tpulaunch.plan import mesh as M
 from tpulaunch.plan import placement as P
 from tpulaunch.plan import topology as T
-
-# the device_kind each generation's devices report, as mesh_utils' handlers key them
-KIND = {"v2": "TPU v2", "v3": "TPU v3", "v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5p",
-        "v6e": "TPU v6 lite", "v7x": "TPU7x"}
-
-
-class FakeTpuDevice:
-    """What mesh_utils reads of a jax TPU device."""
-
-    platform = "tpu"
-
-    def __init__(self, id: int, coords: tuple, core_on_chip: int, device_kind: str, process_index: int,
-                 slice_index: int = 0):
-        self.id, self.coords, self.core_on_chip = id, coords, core_on_chip
-        self.device_kind, self.process_index, self.slice_index = device_kind, process_index, slice_index
-
-
-def devices(t: T.Topology, num_slices: int = 1) -> list[FakeTpuDevice]:
-    kind = KIND[t.generation.name]
-    out = []
-    for s in range(num_slices):
-        for i, (w, chip, core) in enumerate(t.iter_devices()):
-            out.append(FakeTpuDevice(s * t.devices + i, tuple(chip), core, kind, s * t.num_hosts + w, s))
-    return out
-
-
-def jax_ids(t: T.Topology, shape: tuple[int, ...], **kw) -> np.ndarray | None:
-    """mesh_utils' layout as plan device ids, or None where it refuses the mesh."""
-    try:
-        mesh = mesh_utils.create_device_mesh(shape, devices(t), **kw)
-    except (NotImplementedError, ValueError, AssertionError, TypeError):
-        return None  # refused (TypeError: its split-axes search fails on a dimension with a factor 7, as 4x4x28)
-    return np.vectorize(lambda d: d.id)(mesh)
-
-
-def no_worse(ours: list, theirs: list) -> bool:
-    """Innermost axis first; where it ties, the total."""
-    a = [h for h in ours if h is not None]
-    b = [h for h in theirs if h is not None]
-    if abs(a[-1] - b[-1]) > 1e-9:
-        return a[-1] < b[-1]
-    return sum(a) <= sum(b) + 1e-9
 
 
 # -- the cost model, against a brute-force reading of its definition --------------------------
@@ -213,8 +170,7 @@ def test_no_worse_than_mesh_utils_on_every_catalog_slice(t):
 def test_multislice_matches_the_hybrid_mesh_and_scores_no_worse(spec, mesh, dcn):
     t = T.resolve(spec)
     plan = M.plan_mesh(t, mesh, dcn)
-    ref = mesh_utils.create_hybrid_device_mesh(plan.ici_shape, plan.dcn_shape, devices(t, plan.num_slices),
-                                               allow_split_physical_axes=True)
+    ref = hybrid(t, plan.ici_shape, plan.dcn_shape, plan.num_slices)
     slice_of = np.vectorize(lambda d: d.slice_index)(ref)
     grid = np.array(plan.device_ids()).reshape(plan.shape)
     # the same slice at every position: DCN axes outermost, slices in row-major order of the DCN shape

@@ -138,15 +138,31 @@ def snake(bounds: Sequence[int]) -> list[tuple[int, ...]]:
     return pts
 
 
-def _cycle(first: int, rest: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """A closed Hamiltonian walk over `first` x `rest`: `first` even, `rest` a neighbour-path of 2+."""
+def _snake_array(sizes: Sequence[int]) -> np.ndarray:
+    """`snake(sizes)` as an array `(prod(sizes), len(sizes))` (first coordinate fastest)."""
+    pts = np.arange(sizes[0], dtype=np.int64)[:, None]
+    for n in sizes[1:]:
+        blocks = [np.column_stack([pts if j % 2 == 0 else pts[::-1], np.full(len(pts), j)]) for j in range(n)]
+        pts = np.concatenate(blocks)
+    return pts
+
+
+def _cycle(first: int, rest: np.ndarray) -> np.ndarray:
+    """A closed Hamiltonian walk over `first` x `rest`: `first` even, `rest` a neighbour-path of 2+.
+
+    Row 0 runs the whole path out; the other rows snake back over all but its first point; the
+    first point's column brings the walk home.
+    """
     cols = len(rest)
-    seq: list[tuple[int, int]] = [(0, c) for c in range(cols)]
+    rows = [np.zeros(cols, dtype=np.int64)]
+    cs = [np.arange(cols)]
     for r in range(1, first):
-        cs = range(cols - 1, 0, -1) if r % 2 == 1 else range(1, cols)
-        seq.extend((r, c) for c in cs)
-    seq.extend((r, 0) for r in range(first - 1, 0, -1))
-    return [(r,) + rest[c] for r, c in seq]
+        cs.append(np.arange(cols - 1, 0, -1) if r % 2 == 1 else np.arange(1, cols))
+        rows.append(np.full(cols - 1, r))
+    rows.append(np.arange(first - 1, 0, -1))
+    cs.append(np.zeros(first - 1, dtype=np.int64))
+    r, c = np.concatenate(rows), np.concatenate(cs)
+    return np.column_stack([r, rest[c]])
 
 
 def _walks(sizes: tuple[int, ...]) -> list[np.ndarray]:
@@ -158,13 +174,13 @@ def _walks(sizes: tuple[int, ...]) -> list[np.ndarray]:
     out = []
     for perm in perms:
         ps = [sizes[p] for p in perm]  # ps[0] slowest
-        linear = list(itertools.product(*[range(n) for n in ps]))
-        walks = [linear, [tuple(reversed(p)) for p in snake(list(reversed(ps)))]]
+        linear = np.indices(ps).reshape(m, -1).T
+        walks = [linear, _snake_array(ps[::-1])[:, ::-1]]
         if ps[0] % 2 == 0:
-            walks.append(_cycle(ps[0], [tuple(reversed(p)) for p in snake(list(reversed(ps[1:])))]))
+            walks.append(_cycle(ps[0], _snake_array(ps[:0:-1])[:, ::-1]))
         for w in walks:
             arr = np.empty((len(w), m), dtype=np.int64)
-            arr[:, perm] = np.array(w, dtype=np.int64)
+            arr[:, perm] = w
             out.append(arr)
     return out
 

@@ -16,8 +16,9 @@ of host `i` of `N`; the README's emulation section lists them:
 Per-host input (`ShardingSpec(..., minibatch=True)` in `MpDeviceLoader` / `ParallelLoader` /
 `xm.send_cpu_data_to_device`): on the slice each host uploads its own rows and the runtime
 assembles the global batch. Here each host holds every device, so the hosts' local batches are
-all-gathered (process order) over a private gloo group, and the global batch is uploaded whole:
-every emulated host computes on the same global batch the slice would. The per-host divisibility
+all-gathered over a private gloo group and the global batch is uploaded whole, each host's rows
+in the blocks its own devices hold (as the runtime places them on the slice; process order where
+hosts share a block): every emulated host computes on the same global batch the slice would. The per-host divisibility
 check torch_xla makes on the slice is made here too.
 """
 
@@ -100,7 +101,31 @@ class _MinibatchGather:
         parts = [torch.empty_like(local) for _ in range(self.state.num_processes)]
         with self._lock:
             self._pg().allgather([parts], [local]).wait()
-        return torch.cat(parts, dim=0)
+        owners = _row_owners(spec, self.devices_per_host)
+        if owners is None:
+            return torch.cat(parts, dim=0)
+        chunks = {p: list(parts[p].chunk(owners.count(p), dim=0)) for p in set(owners)}
+        return torch.cat([chunks[p].pop(0) for p in owners], dim=0)
+
+
+def _row_owners(spec: Any, devices_per_host: int) -> list[int] | None:
+    """The process whose devices hold each block of rows (dim 0) under `spec`, or None.
+
+    On the slice each host's local rows go, in order, to the blocks its own devices hold; the
+    global batch is those blocks in mesh order. None where that is not one host per block (the
+    rows are not sharded, or hosts share a block): then the rows stay in process order.
+    """
+    import numpy as np
+
+    if not spec.partition_spec or spec.partition_spec[0] is None:
+        return None
+    tiles = np.asarray(spec._tile_assignment)
+    hosts = tiles.reshape(tiles.shape[0], -1) // devices_per_host
+    if not (hosts == hosts[:, :1]).all():
+        return None
+    owners = [int(h) for h in hosts[:, 0]]
+    counts = {owners.count(p) for p in set(owners)}
+    return owners if len(counts) == 1 else None
 
 
 def _minibatch_as_global(original: Callable[..., Any], gather: _MinibatchGather, xm: Any) -> Callable[..., Any]:
