@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpulaunch.cluster.record import ClusterInfo
+from tpulaunch.cluster.record import ClusterInfo, RemoteSpec
 from tpulaunch.discover.capacity import SliceOrder, check_order, queued_resource_body
 from tpulaunch.errors import CapacityError, LaunchError
 from tpulaunch.plan.launch import build_plan
@@ -79,8 +79,9 @@ def test_when_a_slice_must_be_made_again(node, qr, recreate):
 
 
 def _cluster(**remote) -> ClusterInfo:
+    head = dict(head_ip="10.0.0.9", dashboard_port=8265) if remote.get("head") == "local" else {}
     return ClusterInfo(address="10.0.0.1:6379", temp_dir="/tmp/tpl-x", token_path=None, emulated=False,
-                       remote={"tpu": "s", "zone": "z", "project": "p", **remote})
+                       remote=RemoteSpec(("s",), "z", "p", 6379, "/tmp/ray", "python3", **remote, **head))
 
 
 def test_recreate_is_refused_without_a_head_off_the_slice_or_on_emulation():

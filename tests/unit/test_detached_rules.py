@@ -3,13 +3,16 @@ the job boundary, the supervisor's command line."""
 
 from __future__ import annotations
 
+import json
 import shlex
 
 import pytest
 
 from tpulaunch.cluster.jobs import JobInfo
 from tpulaunch.discover import SliceRequest
-from tpulaunch.run.detached import decode_request, encode_request, run_exit_code, run_state, supervisor_entrypoint
+from tpulaunch.errors import TpulaunchError
+from tpulaunch.run.detached import (read_request_document, request_document, request_uri, run_exit_code, run_state,
+                                    supervisor_entrypoint)
 from tpulaunch.run.prepare import LaunchRequest
 from tpulaunch.run.status import RunState, RunView
 
@@ -50,14 +53,29 @@ def test_run_exit_code_prefers_the_runs_own():
 def test_a_request_crosses_the_job_boundary_whole():
     req = LaunchRequest(script="train.py", args=("--lr", "0.1", "a b; rm -rf /"), env=("X=1",),
                         slices=SliceRequest(topology="2x8", num_slices=2, dcn="data=2"), max_restarts=2,
-                        keep_children=True, timeout=3600.0)
-    assert decode_request(encode_request(req)) == req
+                        keep_children=True, timeout=3600.0, placement="ici")
+    doc = request_document(req)
+    assert json.loads(doc)["schema"] == "tpulaunch.request/v1"
+    assert read_request_document(doc) == req
 
 
-def test_the_supervisors_command_line_is_quoted():
-    req = LaunchRequest(script="train.py", args=("$(touch x)",))
-    line = supervisor_entrypoint(req, "/opt/my py/bin/python3", "/work/dir with space")
+@pytest.mark.parametrize("data, words", [
+    (b'{"schema": "tpulaunch.request/v2", "request": {}}', "'tpulaunch.request/v2', this tpulaunch reads"),
+    (b'{"request": {}}', "is None, this tpulaunch reads"),
+    (b"\xff\xfe", "not a JSON document"),
+    (b"[1, 2]", "is None, this tpulaunch reads"),
+    (b'{"schema": "tpulaunch.request/v1", "request": {"script": "a", "bogus": 1, "slices": {}}}', "does not fit"),
+    (b"x" * (2 << 20), "more than"),
+])
+def test_a_request_from_another_version_is_one_line(data, words):
+    with pytest.raises(TpulaunchError) as e:
+        read_request_document(data)
+    assert words in e.value.line() and "\n" not in e.value.line()
+
+
+def test_the_supervisors_command_line_names_only_where_the_request_is():
+    line = supervisor_entrypoint("20261125-x", "/opt/my py/bin/python3", "/work/dir with space")
     words = shlex.split(line)
     assert words[:3] == ["cd", "/work/dir with space", "&&"]
     assert words[3:7] == ["exec", "/opt/my py/bin/python3", "-m", "tpulaunch"]
-    assert words[7] == "supervise" and decode_request(words[8]) == req
+    assert words[7:] == ["supervise", "--request", request_uri("20261125-x")]

@@ -75,7 +75,23 @@ def test_dry_run_env_and_args(workdir):
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["args"] == ["--lr", "0.1"]
-    assert all(h["env"]["MY_FLAG"] == "on" for h in plan["hosts"])
+    # a user's values are masked in what tpulaunch prints, unless asked for
+    assert all(h["env"]["MY_FLAG"] == "<hidden: from --env; --show-env prints it>" for h in plan["hosts"])
+    shown = invoke("run", "args.py", "--topology", "2x8", "--env", "MY_FLAG=on", "--dry-run", "--json", "--show-env",
+                   cwd=workdir)
+    assert all(h["env"]["MY_FLAG"] == "on" for h in json.loads(shown.stdout)["hosts"])
+    text = invoke("run", "args.py", "--topology", "2x8", "--env", "MY_FLAG=on", "--dry-run", cwd=workdir)
+    assert "MY_FLAG=<hidden" in text.stdout and "=on" not in text.stdout
+
+
+def test_env_from_the_shell_and_from_a_file(workdir, tmp_path):
+    f = tmp_path / "secrets.env"
+    f.write_text("# a comment\nexport FROM_FILE='a b'\nBOTH=file\n\n")
+    proc = invoke("run", "args.py", "--topology", "2x8", "--env-file", str(f), "--env", "FROM_SHELL", "--env",
+                  "BOTH=flag", "--dry-run", "--json", "--show-env", cwd=workdir, env=cli_env(FROM_SHELL="s3cr3t"))
+    assert proc.returncode == 0, proc.stderr
+    env = json.loads(proc.stdout)["hosts"][0]["env"]
+    assert (env["FROM_FILE"], env["FROM_SHELL"], env["BOTH"]) == ("a b", "s3cr3t", "flag")
 
 
 @pytest.mark.parametrize(
@@ -83,7 +99,11 @@ def test_dry_run_env_and_args(workdir):
     [
         (["missing.py", "--topology", "2x8"], "script missing.py not found"),
         (["allreduce.py", "--topology", "2x3"], "2x3 is not a valid v6e slice"),
-        (["allreduce.py", "--topology", "2x8", "--env", "NOEQUALS"], "--env 'NOEQUALS' is not KEY=VALUE"),
+        (["allreduce.py", "--topology", "2x8", "--env", "NOT_SET_HERE"], "--env NOT_SET_HERE takes its value from this"
+                                                                            " environment, where NOT_SET_HERE is not set"),
+        (["allreduce.py", "--topology", "2x8", "--env", "1BAD"], "--env '1BAD' is not KEY=VALUE or NAME"),
+        (["allreduce.py", "--topology", "2x8", "--env-file", "/nonexistent.env"], "--env-file /nonexistent.env: No such"),
+        (["allreduce.py", "--topology", "2x8", "--env-file", "/"], "--env-file / is not a regular file"),
         (["allreduce.py", "--topology", "2x8", "--mesh", "data=3,model=4"], "has 12 positions"),
         (["allreduce.py", "--topology", "2x8", "--framework", "tensorflow"], "unknown framework 'tensorflow'"),
     ],

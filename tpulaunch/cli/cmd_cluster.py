@@ -79,7 +79,7 @@ def up(
         raise LaunchError(f"--prewarm {prewarm} is not a framework", f"choose one of {', '.join(frameworks.names())}")
     rec = load_record()
     if rec is not None and rec.remote:
-        raise ClusterError(f"a cluster on TPU '{rec.remote['tpu']}' is recorded as up",
+        raise ClusterError(f"a cluster on TPU '{rec.remote.tpu}' is recorded as up",
                            "stop it first with `tpulaunch cluster down`")
     if rec is not None and rec.running_here:
         raise ClusterError(f"a cluster is already up at {rec.address}", "stop it first with `tpulaunch cluster down`")
@@ -109,7 +109,8 @@ def up(
                 out.warn(f"no spare processes: {e.line()}")
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": True,
-                  "slices": info.slices, "token_path": info.token_path, "dashboard": info.dashboard})
+                  "slices": [s.to_dict() for s in info.slices], "token_path": info.token_path,
+                  "dashboard": info.dashboard})
     else:
         out.warn(f"EMULATED cluster: {len(resolved.slices)} x {t.accelerator_type} ({t.topology}) on this machine")
         out.line(f"cluster up at {info.address} (token auth on; token in {info.token_path})")
@@ -236,7 +237,7 @@ def _down_force(out: Output, json_out: bool, every_home: bool) -> None:
         out.warn(f"{e.message}: removing it")
         rec = None
     if rec is not None and rec.remote:
-        raise ClusterError(f"the recorded cluster runs on TPU '{rec.remote['tpu']}', not here",
+        raise ClusterError(f"the recorded cluster runs on TPU '{rec.remote.tpu}', not here",
                            "`tpulaunch cluster down` (without --force) stops it over gcloud ssh")
     stopped = []
     for orphan in ownership.find_orphans(None if every_home else state_dir()):

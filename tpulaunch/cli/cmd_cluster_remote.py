@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -85,7 +86,7 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
     from tpulaunch import discover
     from tpulaunch.cluster import ownership
     from tpulaunch.cluster.ports import free_port
-    from tpulaunch.cluster.remote import LocalHead, RemoteSlice, route_ip, tpu_names
+    from tpulaunch.cluster.remote import LocalHead, RemoteSlice, route_ip
 
     if head not in ("worker-0", "local"):
         raise TpulaunchError(f"--head {head} is neither worker-0 nor local", "--head local puts the Ray head here")
@@ -101,31 +102,29 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
     for spec in specs:
         discover.check_matches(spec, topology, accelerator)
         discover.check_ready(spec, force=False)
-    if rec is not None and rec.remote and (tpu_names(rec.remote), rec.remote["zone"], rec.remote["project"]) != (
+    if rec is not None and rec.remote and (list(rec.remote.tpus), rec.remote.zone, rec.remote.project) != (
             [s.name for s in specs], specs[0].zone, specs[0].project):
-        raise ClusterError(f"a cluster on TPU {', '.join(tpu_names(rec.remote))} is recorded as up",
+        raise ClusterError(f"a cluster on TPU {', '.join(rec.remote.tpus)} is recorded as up",
                            "stop it first with `tpulaunch cluster down`")
     local = None
     if head == "local":
-        same = rec is not None and rec.remote and rec.remote.get("head") == "local" and rec.running_here
+        same = rec is not None and rec.remote is not None and rec.remote.head_here and rec.running_here
         if same:
-            local = LocalHead(ip=rec.remote["head_ip"], temp_dir=rec.temp_dir, dashboard_port=int(rec.remote["dashboard_port"]),
-                              python=rec.remote.get("head_python") or sys.executable)
+            local = LocalHead(ip=rec.remote.head_ip or "", temp_dir=rec.temp_dir, dashboard_port=rec.remote.dashboard_port or 0,
+                              python=rec.remote.head_python or sys.executable)
         else:
             ip = head_ip or route_ip(specs[0].workers[0].ip)
             local = LocalHead(ip=ip, temp_dir="", dashboard_port=free_port(), python=sys.executable)
-    setup = setup if setup is not None else (rec.remote.get("setup") if rec and rec.remote else None)
+    setup = setup if setup is not None else (rec.remote.setup if rec and rec.remote else None)
     first = RemoteSlice(specs[0], port=port, temp_dir=temp_dir, python=python, dashboard=dashboard, head=local, setup=setup)
     if local is not None and not local.temp_dir:
-        from dataclasses import replace
-
         from tpulaunch.cluster.remote import cluster_id_of, ensure_token
 
         _path, token, _created = ensure_token(first.key)
         local = first.head = replace(local, temp_dir=ownership.make_temp_dir(cluster_id_of(token), state_dir()))
     slices = [first] + [RemoteSlice(s, port=port, temp_dir=first.temp_dir, python=python, dashboard=dashboard, head=local,
                                     setup=setup, key=first.key) for s in specs[1:]]
-    before = {s["name"]: [w["ip"] for w in s.get("workers", [])] for s in (rec.slices if rec and rec.remote else [])}
+    before = {s.name: [w.ip for w in s.workers] for s in (rec.slices if rec and rec.remote else [])}
     n = sum(len(s.workers) for s in specs)
     infos = []
     with out.status(f"bringing up Ray on {n} host(s) of {', '.join(tpus)} ...") as st:
@@ -137,11 +136,12 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
     info = infos[0]
     info.slices = [i.slices[0] for i in infos]
     assert info.remote is not None
-    info.remote["tpus"] = [s.name for s in specs]
+    info.remote = replace(info.remote, tpus=tuple(s.name for s in specs))
     save_record(info)
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,
-                  "slices": info.slices, "token_path": info.token_path, "remote": info.remote})
+                  "slices": [s.to_dict() for s in info.slices], "token_path": info.token_path,
+                  "remote": info.remote.to_dict()})
     else:
         where = "the head here (off the slice)" if local else "the head on worker 0"
         what = ", ".join(f"{s.name} ({s.accelerator_type}, {len(s.workers)} hosts)" for s in specs)

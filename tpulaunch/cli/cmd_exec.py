@@ -26,6 +26,8 @@ def exec_cmd(
     force: bool = opt.FORCE,
     num_slices: Optional[int] = opt.NUM_SLICES,
     env: Optional[List[str]] = opt.ENV,
+    env_file: Optional[List[str]] = opt.ENV_FILE,
+    show_env: bool = opt.SHOW_ENV,
     address: Optional[str] = typer.Option(None, "--address", help="auto, HOST:PORT or ray://... (default: emulate)."),
     hosts: Optional[str] = opt.HOSTS,
     log_dir: str = typer.Option("runs", "--log-dir", help="Where <run-id>/attempt-<k>/host-<i>.log and summary.json go."),
@@ -53,9 +55,9 @@ def exec_cmd(
         command=tuple(command),
         slices=discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
                                      tpu=tpu, zone=zone, project=project, force=force, num_slices=num_slices),
-        env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, straggler_ratio=straggler_ratio, address=address,
+        env=run.client_env(env, env_file), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, straggler_ratio=straggler_ratio, address=address,
         coordinator_port=coordinator_port, distributed=False, log_dir=log_dir,
         workdir=workdir, ship_workdir=not no_ship, timeout=timeout, stall_timeout=stall_timeout,
         max_restarts=max_restarts,
     )
-    raise typer.Exit(run_request(Output(json_mode=json_out), req, hosts=hosts, dry_run=dry_run))
+    raise typer.Exit(run_request(Output(json_mode=json_out), req, hosts=hosts, dry_run=dry_run, show_env=show_env))

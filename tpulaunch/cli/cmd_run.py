@@ -114,12 +114,17 @@ def report(out: Output, summary: RunSummary, sink: TerminalSink | None = None) -
         out.info(f"run {summary.run_id}: all {len(summary.hosts)} host(s) exited 0{again}; {where}")
 
 
-def print_plan(out: Output, prep: run.Prepared) -> None:
+def print_plan(out: Output, prep: run.Prepared, show_env: bool = False) -> None:
+    from tpulaunch.cli import render
+
     plan = prep.plan
     if out.json_mode:
-        out.json(plan.to_dict())
+        doc = plan.to_dict()
+        if not show_env:
+            for h in doc["hosts"]:
+                h["env"] = render.hide_user_env(plan, h["env"])
+        out.json(doc)
         return
-    from tpulaunch.cli import render
 
     kind = "EMULATED on this machine" if plan.emulated else "TPU"
     out.line(f"run {plan.run_id}: {plan.job.script or ' '.join(plan.job.command)} on {len(plan.hosts)} host(s), {kind}")
@@ -127,7 +132,7 @@ def print_plan(out: Output, prep: run.Prepared) -> None:
     out.line(f"coordinator: {plan.coordinator_address}")
     for line in render.mesh_lines(plan.mesh):
         out.line(line)
-    for line in render.env_lines(plan):
+    for line in render.env_lines(plan, show_env):
         out.line(line)
 
 
@@ -153,6 +158,8 @@ def run_cmd(
     placement: str = opt.PLACEMENT,
     framework: str = typer.Option("auto", "--framework", "-f", help="torch_xla, jax, none (boot no framework), or auto (from the script's imports)."),
     env: Optional[List[str]] = opt.ENV,
+    env_file: Optional[List[str]] = opt.ENV_FILE,
+    show_env: bool = opt.SHOW_ENV,
     address: Optional[str] = typer.Option(
         None, "--address", help="Join a Ray cluster: auto, HOST:PORT or ray://... (default: RAY_ADDRESS, else emulate)."
     ),
@@ -206,7 +213,7 @@ def run_cmd(
         slices=discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host, tpu=tpu,
                                      queued_resource=queued_resource, zone=zone, project=project, num_slices=num_slices,
                                      dcn=dcn, force=force),
-        mesh=mesh, placement=placement, framework=framework, env=tuple(env or ()), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, straggler_ratio=straggler_ratio, address=address,
+        mesh=mesh, placement=placement, framework=framework, env=run.client_env(env, env_file), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, straggler_ratio=straggler_ratio, address=address,
         coordinator_port=coordinator_port,
         distributed=not no_dist, log_dir=log_dir, workdir=workdir, schedule_timeout=schedule_timeout,
         max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout, max_restarts=max_restarts,
@@ -215,35 +222,31 @@ def run_cmd(
         keep_cluster=keep_cluster, idle_timeout=idle_timeout, compile_cache=compile_cache,
         no_compile_cache=no_compile_cache,
     )
-    raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run, detach=detach, attach_stop=attach_stop))
+    raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run, detach=detach, attach_stop=attach_stop,
+                                 show_env=show_env))
 
 
 def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_run: bool, detach: bool = False,
-                attach_stop: bool = False) -> int:
+                attach_stop: bool = False, show_env: bool = False) -> int:
     """Shared by `run` and `exec`: plan, maybe print, launch (here, or on the cluster's head), report."""
+    from tpulaunch.run import runner
+
     show = parse_hosts(hosts)
-    target = run.find_cluster(req)
-    remote = target.cluster is not None and not run.is_local(target.cluster)
-    on_slice = target.cluster is not None and (target.cluster.remote or {}).get("head") == "worker-0"
-    if req.recreate and (detach or remote or dry_run):  # a run launched here is checked by launch(), once
+    where = runner.choose(req, detach=detach, dry_run=dry_run)
+    cluster = where.target.cluster
+    on_slice = cluster is not None and cluster.remote is not None and not cluster.remote.head_here
+    if req.recreate and (isinstance(where, runner.OnTheHead) or dry_run):  # a run here is checked by launch(), once
         from tpulaunch.run import recreate
 
-        recreate.check(target.cluster, target.cluster is None or target.cluster.emulated, req.max_preemptions)
-    if on_slice and req.max_preemptions and target.cluster is not None:
-        out.warn(f"the Ray head runs on worker 0 of TPU '{target.cluster.remote['tpu']}': a preemption of that worker"
+        recreate.check(cluster, cluster is None or cluster.emulated, req.max_preemptions)
+    if on_slice and req.max_preemptions and cluster is not None:
+        out.warn(f"the Ray head runs on worker 0 of TPU '{cluster.remote.tpu}': a preemption of that worker"
                  " ends the run whatever --max-preemptions allows; `tpulaunch cluster up --tpu NAME --head local`"
                  " puts the head off the slice")
-    if detach or (remote and not dry_run):
-        if target.cluster is None:
-            raise LaunchError("--detach runs the run on a cluster's head, and none was given",
-                              "bring one up (`tpulaunch cluster up ...`) and pass --address auto (or HOST:PORT)")
-        return _on_the_head(out, req, target, show, follow=not detach, attach_stop=attach_stop)
-    # Emulated hosts run in place (their own cluster, or an emulated one): nothing to ship.
-    real = target.cluster is not None and not target.cluster.emulated
-    ship = run.shipped_workdir(req)  # checked even when not shipped: a rehearsal refuses what the slice would
-    conn = run.Connection(target, ship if real else None)
+    if isinstance(where, runner.OnTheHead):
+        return _on_the_head(out, req, where, show, follow=not detach, attach_stop=attach_stop)
+    prep, conn = where.prepare(req)
     try:
-        prep = run.prepare(req, target, conn.cluster_slices(req), conn.runtime_env)
         check_hosts(show, len(prep.plan.hosts))
     except BaseException:
         conn.close()
@@ -251,10 +254,10 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     _notes(out, prep)
     if dry_run:
         conn.close()
-        print_plan(out, prep)
+        print_plan(out, prep, show_env)
         return 0
     sink = TerminalSink(out, show, len(prep.plan.hosts), every=(hosts or "").strip() == "all")
-    summary = run.launch(prep, sink, conn, quiet_ray=True, debug=debug_enabled())
+    summary = where.run(prep, sink, conn, debug=debug_enabled())
     report(out, summary, sink)
     return summary.exit_code
 
@@ -272,37 +275,29 @@ def _notes(out: Output, prep: run.Prepared) -> None:
         out.info(f"framework: {plan.framework} ({prep.framework_reason})")
 
 
-def _on_the_head(out: Output, req: run.LaunchRequest, target: run.Target, show: set[int] | None, *, follow: bool,
+def _on_the_head(out: Output, req: run.LaunchRequest, where, show: set[int] | None, *, follow: bool,  # noqa: ANN001
                  attach_stop: bool) -> int:
     """Submit the run to the cluster's head (checked here first as far as this machine can), then
     return at once (--detach), or follow its output until it ends and exit with its code."""
     from tpulaunch.run import detached
 
-    cluster = target.cluster
-    assert cluster is not None
-    runtime_env = run.shipped_workdir(req)
-    if run.is_local(cluster):  # the whole plan can be made here: every mistake is found before submitting
-        conn = run.Connection(target, None)  # planning ships nothing
-        try:
-            prep = run.prepare(req, target, conn.cluster_slices(req), runtime_env)
-            check_hosts(show, len(prep.plan.hosts))
-        finally:
-            conn.close()
-    else:
-        run.check_script(req)
-    api = detached.job_api(cluster)
+    prep = where.check(req)
+    if prep is not None:
+        check_hosts(show, len(prep.plan.hosts))
+    api = where.api()
     t0 = time.monotonic()
-    run_id = detached.submit(req, cluster, api, runtime_env=runtime_env, python=run.head_python(cluster))
+    run_id = where.submit(req, api)
     took = time.monotonic() - t0
+    address = where.cluster.address
     if not follow:
         if out.json_mode:
-            out.json({"schema": "tpulaunch.submitted/v1", "run_id": run_id, "address": cluster.address})
+            out.json({"schema": "tpulaunch.submitted/v1", "run_id": run_id, "address": address})
         else:
             out.line(run_id)
-            out.info(f"submitted run {run_id} to {cluster.address} in {took:.1f} s; follow it with"
+            out.info(f"submitted run {run_id} to {address} in {took:.1f} s; follow it with"
                      f" `tpulaunch logs {run_id} --follow`, `tpulaunch status {run_id}`, `tpulaunch wait {run_id}`")
         return 0
-    out.info(f"run {run_id} runs on the cluster's head ({cluster.address}); Ctrl-C "
+    out.info(f"run {run_id} runs on the cluster's head ({address}); Ctrl-C "
              + ("stops it" if attach_stop else "leaves it running (`tpulaunch stop` ends it)"))
     try:
         for chunk in detached.follow_driver_log(api, run_id):
@@ -320,40 +315,23 @@ def _on_the_head(out: Output, req: run.LaunchRequest, target: run.Target, show: 
     return rec.exit_code if rec.exit_code is not None else 1
 
 
-def supervise_request(out: Output, req: run.LaunchRequest) -> int:
-    """A detached run's supervisor, in a Ray job on the head: `run` itself, with its files under the
-    head's Ray log directory (served by Ray's log API) and `status.json` kept up to date."""
-    import dataclasses
+@app.command("supervise", hidden=True)
+def supervise_cmd(request: str = typer.Option(..., "--request", help="Where the run's request is stored (gcs://...).")) -> None:
+    """The supervisor of a detached run (what `run --detach` submits as a Ray job on the head)."""
     from pathlib import Path
 
-    from tpulaunch.cluster.connect import logs_dir
-    from tpulaunch.run import detached
+    from tpulaunch.run import detached, runner
 
-    target = run.find_cluster(req)
-    if target.cluster is None:
-        raise LaunchError("internal: a supervisor was given no cluster", "report this bug")
-    # The job's runtime env already carries the working directory to every actor the supervisor
-    # starts (Ray would refuse a second one): the connection ships nothing itself.
-    conn = run.Connection(target, None)
-    conn.connect(target.cluster)
-    req = dataclasses.replace(req, log_dir=str(Path(logs_dir()) / detached.RUNS_SUBDIR))
-    try:
-        prep = run.prepare(req, target, conn.cluster_slices(req), None)
-    except BaseException:
-        conn.close()
-        raise
-    _notes(out, prep)
-    sink = detached.StatusFile(TerminalSink(out, None, len(prep.plan.hosts)), Path(prep.plan.job.log_dir) / "status.json",
-                               req.script or " ".join(req.command))
-    summary = run.launch(prep, sink, conn, quiet_ray=True, debug=debug_enabled())
-    sink.finished(summary)
-    report(out, summary, sink.inner)
-    return summary.exit_code
+    out = Output()
+    req = detached.take_request(request)
+    made: list[detached.StatusFile] = []
 
+    def sink_for(prep: run.Prepared) -> detached.StatusFile:
+        _notes(out, prep)
+        made.append(detached.StatusFile(TerminalSink(out, None, len(prep.plan.hosts)),
+                                        Path(prep.plan.job.log_dir) / "status.json", req.script or " ".join(req.command)))
+        return made[0]
 
-@app.command("supervise", hidden=True)
-def supervise_cmd(request: str = typer.Argument(..., help="The run's request, as `run --detach` encoded it.")) -> None:
-    """The supervisor of a detached run (what `run --detach` submits as a Ray job on the head)."""
-    from tpulaunch.run import detached
-
-    raise typer.Exit(supervise_request(Output(), detached.decode_request(request)))
+    summary = runner.supervise(req, sink_for)
+    report(out, summary, made[0].inner if made else None)
+    raise typer.Exit(summary.exit_code)

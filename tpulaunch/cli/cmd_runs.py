@@ -22,31 +22,12 @@ ADDRESS = typer.Option("auto", "--address", help="The cluster: auto (recorded he
 RUN = typer.Argument(..., metavar="RUN", help="A run id, or `last`.")
 
 
-def _cluster(address: str):  # noqa: ANN202 - ClusterInfo
-    """`--address`: auto, HOST:PORT, or the dashboard's http://HOST:PORT (the job API only)."""
-    from tpulaunch.cluster.connect import resolve_address
-    from tpulaunch.cluster.record import ClusterInfo
-
-    if address.startswith(("http://", "https://")):
-        import os
-
-        return ClusterInfo(address=address, temp_dir=None, token_path=os.environ.get("RAY_AUTH_TOKEN_PATH"),
-                           emulated=False, dashboard=address)
-    info = resolve_address(address)
-    if info is None:
-        raise TpulaunchError("no cluster given", "pass --address, set RAY_ADDRESS, or `tpulaunch cluster up`")
-    return info
-
-
 def _api(address: str):  # noqa: ANN202 - (JobApi, ClusterInfo)
+    from tpulaunch.client import _cluster
     from tpulaunch.run import detached
 
     info = _cluster(address)
     return detached.job_api(info), info
-
-
-def _ago(t: float | None) -> str:
-    return "-" if not t else f"{max(0.0, time.time() - t):.0f}s"
 
 
 def _duration(rec) -> str:  # noqa: ANN001 - RunRecord
@@ -56,12 +37,18 @@ def _duration(rec) -> str:  # noqa: ANN001 - RunRecord
     return f"{(j.end_time or time.time()) - j.start_time:.0f}s"
 
 
+ROW_KEYS = ("run_id", "script", "state", "attempt", "exit_code", "started", "ended", "duration_s", "message")
+
+
 def _run_row(rec) -> dict:  # noqa: ANN001 - RunRecord
-    j = rec.job
-    return {"run_id": rec.run_id, "script": j.metadata.get("script", ""), "state": str(rec.state),
-            "attempt": rec.view.attempt if rec.view else None, "exit_code": rec.exit_code,
-            "started": j.start_time, "ended": j.end_time, "duration_s": (j.end_time or time.time()) - j.start_time
-            if j.start_time else None, "message": j.message if rec.state.value in ("failed", "lost") else None}
+    doc = _status_doc(rec)
+    return {k: doc[k] for k in ROW_KEYS}
+
+
+def _status_doc(rec) -> dict:  # noqa: ANN001 - RunRecord
+    from tpulaunch.client import RunStatus
+
+    return RunStatus.of(rec).to_dict()
 
 
 @app.command("runs")
@@ -88,17 +75,6 @@ def runs_cmd(address: str = ADDRESS, json_out: bool = opt.JSON) -> None:
     else:
         for row in [cols, *rows]:
             out.line("  ".join(row))
-
-
-def _status_doc(rec) -> dict:  # noqa: ANN001 - RunRecord
-    v = rec.view
-    return {"schema": "tpulaunch.run-status/v1", **_run_row(rec),
-            "hosts": [{"process_index": h.process_index, "slice_index": h.slice_index, "worker_id": h.worker_id,
-                       "state": str(h.phase), "exit_code": h.exit_code,
-                       "since_last_s": None if not h.last_activity else round(time.time() - h.last_activity, 1),
-                       "last_line": h.last_line, "reason": h.reason, "step": h.step, "step_rate": h.step_rate}
-                      for h in (v.hosts if v else ())],
-            "attempts": list(v.attempts) if v else [], "note": v.note if v else None}
 
 
 def _status_table(doc: dict) -> Table:
@@ -198,28 +174,8 @@ def logs_cmd(run: str = RUN, address: str = ADDRESS,
         else:
             out.raw(detached.run_output(api.driver_log(job.submission_id)))
         return
-    rec = detached.record(api, job)
-    k = attempt if attempt is not None else (rec.view.attempt if rec.view else 0)
-    if not job.driver_node_id:
-        raise TpulaunchError(f"run {job.submission_id} has not started on the head yet", "try again in a moment")
-    name = detached.file_path(job.submission_id, f"attempt-{k}", f"host-{host}.log")
-    seen = 0
-    while True:
-        text = api.read_file(job.driver_node_id, name)
-        if text is None and not follow:
-            raise TpulaunchError(f"run {job.submission_id} has no log of host {host} in attempt {k}",
-                                 "see `tpulaunch status " + job.submission_id + "` for its hosts and attempts")
-        text = text or ""
-        if len(text) > seen:
-            out.raw(text[seen:])
-            seen = len(text)
-        info = api.info(job.submission_id)
-        if not follow or info is None or info.terminal:
-            if follow:
-                rest = api.read_file(job.driver_node_id, name) or ""
-                out.raw(rest[seen:])
-            return
-        time.sleep(1.0)
+    for chunk in detached.follow_host_log(api, job, host, attempt, follow):
+        out.raw(chunk)
 
 
 @app.command("stop")
@@ -320,6 +276,8 @@ def _cluster_of_run(run: str, address: Optional[str], log_dir: str):  # noqa: AN
     from tpulaunch.cluster.record import load_record
 
     if address is not None:
+        from tpulaunch.client import _cluster
+
         return _cluster(address)
     root = Path(log_dir)
     names = [root / run / "cluster.json"] if run != "last" else sorted(

@@ -38,7 +38,12 @@ PLACEMENT = typer.Option(
          " contiguous block of the mesh, the rule before 0.2).")
 
 # -- runs ---------------------------------------------------------------------------------------
-ENV = typer.Option(None, "--env", "-e", help="Extra KEY=VALUE for every host (repeatable).")
+ENV = typer.Option(None, "--env", "-e",
+                   help="Extra KEY=VALUE for every host (repeatable); --env NAME takes NAME's value from this shell.")
+ENV_FILE = typer.Option(None, "--env-file", metavar="FILE",
+                        help="KEY=VALUE lines (dotenv) for every host (repeatable; --env wins). Values stay off"
+                             " command lines and job tables.")
+SHOW_ENV = typer.Option(False, "--show-env", help="With --dry-run: print the values of --env / --env-file too.")
 HOSTS = typer.Option(None, "--hosts", help="Hosts whose output reaches the terminal: all (default), 0, 0,2.")
 KILL_STALE = typer.Option(
     False, "--kill-stale", help="On TPU hosts, kill leftover processes holding the chips (and a stale libtpu lockfile)."

@@ -237,10 +237,20 @@ def sharding_rich(s: ShardingPlan) -> Group:
     return Group(table, Text(lines[1]), Text(lines[2], overflow="fold"))
 
 
-def env_lines(plan: LaunchPlan) -> list[str]:
-    """Every host's environment, as `--dry-run` prints it."""
+HIDDEN = "<hidden: from --env; --show-env prints it>"
+
+
+def hide_user_env(plan: LaunchPlan, env: dict[str, str]) -> dict[str, str]:
+    """A host's environment with the values the user gave (`--env`, `--env-file`) masked."""
+    return {k: HIDDEN if k in plan.job.user_env else v for k, v in env.items()}
+
+
+def env_lines(plan: LaunchPlan, show_user_env: bool = False) -> list[str]:
+    """Every host's environment, as `--dry-run` prints it (user values masked unless asked)."""
     out = []
     for h in plan.hosts:
         out.append(f"host {h.process_index} (slice {h.slice_index} worker {h.worker_id}, {h.ip}):")
-        out.extend(f"  {k}={v}" for k, v in sorted(plan.env(h.process_index).items()))
+        env = plan.env(h.process_index)
+        env = env if show_user_env else hide_user_env(plan, env)
+        out.extend(f"  {k}={v}" for k, v in sorted(env.items()))
     return out

@@ -220,7 +220,7 @@ def start_emulated(
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
     info = ClusterInfo(address="", temp_dir=temp_dir, token_path=token_path, emulated=True,
-                       slices=[s.to_dict() for s in slices], log_monitor=log_monitor, cluster_id=cluster_id)
+                       slices=list(slices), log_monitor=log_monitor, cluster_id=cluster_id)
     ports = free_ports(9 * len(hosts))
     nodes = [node_spec(info, s, topology, w, ports[9 * i:9 * i + 9], head=i == 0, dashboard=dashboard)
              for i, (s, w) in enumerate(hosts)]
@@ -251,7 +251,7 @@ def restart_hosts(info: ClusterInfo, topology: Topology, missing: list[tuple[str
     What a repaired or re-created TPU VM does on a real slice: a node with the same TPU identity
     joins, so Ray labels it as the same worker.
     """
-    specs = {d["name"]: SliceSpec.from_dict(d) for d in info.slices}
+    specs = {s.name: s for s in info.slices}
     ports = free_ports(9 * len(missing))
     _start_nodes(info, [node_spec(info, specs[name], topology, worker, ports[9 * k:9 * k + 9])
                         for k, (name, worker) in enumerate(missing)])

@@ -66,12 +66,13 @@ class JobApi:
         self.url = url.rstrip("/")
         self.token = token
 
-    def _request(self, method: str, path: str, body: dict | None = None, timeout: float = TIMEOUT_S,
+    def _request(self, method: str, path: str, body: dict | bytes | None = None, timeout: float = TIMEOUT_S,
                  stream: bool = False):  # noqa: ANN201 - bytes, or the open response when streaming
-        headers = {"Content-Type": "application/json"}
+        raw = isinstance(body, bytes)
+        headers = {"Content-Type": "application/octet-stream" if raw else "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        data = json.dumps(body).encode() if body is not None else None
+        data = body if raw else json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
         try:
             resp = urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 - the cluster's own dashboard
@@ -94,6 +95,16 @@ class JobApi:
 
     def version(self) -> dict:
         return json.loads(self._request("GET", "/api/version"))
+
+    def put_package(self, uri: str, data: bytes) -> None:
+        """Store `data` in the cluster's GCS under `uri` (`gcs://NAME`), as Ray's job client stores a
+        working directory: behind the token, readable by what runs on the cluster (`internal_kv`)."""
+        protocol, _, name = uri.partition("://")
+        try:
+            self._request("PUT", f"/api/packages/{protocol}/{urllib.parse.quote(name)}", data)
+        except _HttpError as e:
+            raise ClusterError(f"the job API refused to store {uri} ({e.code}): {_first_line(e.text)}",
+                               "see the head's dashboard log") from None
 
     def submit(self, *, entrypoint: str, submission_id: str, runtime_env: dict | None, metadata: dict[str, str],
                label_selector: dict[str, str] | None = None) -> str:

@@ -1,7 +1,9 @@
 """`ClusterInfo`: a Ray cluster tpulaunch knows about, and the record `cluster up` leaves behind.
 
 The record (`$TPULAUNCH_HOME/cluster.json`, default `~/.cache/tpulaunch`) is how `--address auto`
-finds the warm cluster. Plain data and a JSON file; no Ray import.
+finds the warm cluster. Typed data and a versioned JSON file (`"schema": "tpulaunch.cluster/v2"`);
+no Ray import. A record of the tpulaunch before the schema (v1: the same fields, no `schema`) is
+read as it was; a record of a newer tpulaunch is refused in one line naming both versions.
 
 State that cannot be used is said to be so, in one line naming the file (`StateError`, exit 6):
 a record that is corrupt, a directory, or holds fields of the wrong type; a state directory that
@@ -20,8 +22,11 @@ from pathlib import Path
 
 from tpulaunch.cluster import ownership
 from tpulaunch.errors import StateError, TpulaunchError
+from tpulaunch.plan.slicespec import SliceSpec
 
 HOME_ENV = "TPULAUNCH_HOME"
+CLUSTER_SCHEMA = "tpulaunch.cluster/v2"
+V1 = "tpulaunch.cluster/v1"  # what a record without a schema field is (tpulaunch before the schema)
 _FORCE_HINT = "the cluster it described may still be running: `tpulaunch cluster down --force` finds and stops it"
 
 
@@ -61,19 +66,82 @@ QUIET_RAY = {
 }
 
 
+@dataclass(frozen=True)
+class RemoteSpec:
+    """Where a cluster on real TPU slices runs (`cluster up --tpu A [--tpu B ...]`), for status, down
+    and re-creation over gcloud ssh (`cluster/remote.py`)."""
+
+    tpus: tuple[str, ...]  # the TPUs it spans, in order: the first holds (or first joined) the head
+    zone: str
+    project: str
+    port: int  # the head's GCS port
+    temp_dir: str  # Ray's temp dir on the workers
+    python: str  # the workers' interpreter
+    head: str = "worker-0"  # "worker-0": on the first TPU's worker 0; "local": on this machine, off the slices
+    setup: str | None = None  # what every worker runs before it joins (`cluster up --setup`)
+    head_ip: str | None = None  # head "local": its address, as the workers reach it
+    dashboard_port: int | None = None  # head "local": its job API
+    head_python: str | None = None  # head "local": the interpreter its supervisors run with
+
+    @property
+    def tpu(self) -> str:
+        return self.tpus[0]
+
+    @property
+    def head_here(self) -> bool:
+        return self.head == "local"
+
+    def to_dict(self) -> dict:
+        doc = asdict(self)
+        doc["tpus"] = list(self.tpus)
+        doc["tpu"] = self.tpu  # what records and `--json` before the schema named the first TPU
+        return doc
+
+    @staticmethod
+    def from_dict(d: dict) -> "RemoteSpec":
+        """From a record (v2, or v1: "tpu" with "tpus" only on records of several). KeyError,
+        TypeError or ValueError on anything that is not one."""
+        tpus = d.get("tpus") or [d["tpu"]]
+        if not isinstance(tpus, list) or not tpus or not all(isinstance(t, str) and t for t in tpus):
+            raise ValueError("tpus")
+        head = d.get("head", "worker-0")
+        if head not in ("worker-0", "local"):
+            raise ValueError("head")
+        spec = RemoteSpec(tuple(tpus), _str(d["zone"]), _str(d["project"]), _int(d["port"]), _str(d["temp_dir"]),
+                          _str(d["python"]), head, _opt(d.get("setup"), str), _opt(d.get("head_ip"), str),
+                          _opt(d.get("dashboard_port"), int), _opt(d.get("head_python"), str))
+        if spec.head_here and (spec.head_ip is None or spec.dashboard_port is None):
+            raise ValueError("a local head with no address")
+        return spec
+
+
+def _str(v: object) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{v!r} is not a string")
+    return v
+
+
+def _int(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{v!r} is not an integer")
+    return v
+
+
+def _opt(v: object, kind: type) -> object:
+    return None if v is None else _int(v) if kind is int else _str(v)
+
+
 @dataclass
 class ClusterInfo:
-    """A Ray cluster tpulaunch knows about. Persisted as JSON by `cluster up`."""
+    """A Ray cluster tpulaunch knows about. Persisted as JSON by `cluster up` (`save_record`)."""
 
     address: str
     temp_dir: str | None  # set when tpulaunch started it on this machine (emulated)
     token_path: str | None
     emulated: bool
-    slices: list[dict] = field(default_factory=list)  # SliceSpec.to_dict() of emulated slices
+    slices: list[SliceSpec] = field(default_factory=list)  # its slices (emulated, or the TPUs it spans)
     created: float = field(default_factory=time.time)
-    # A cluster on a real slice (`cluster up --tpu`): where it runs, for status/down over gcloud ssh
-    # ({"tpu", "zone", "project", "port", "temp_dir", "python"}; see `cluster/remote.py`). None otherwise.
-    remote: dict | None = None
+    remote: RemoteSpec | None = None  # a cluster on real slices: where it runs; None otherwise
     kept: bool = False  # left up by `run --keep-cluster` (stopped after `idle_timeout` s unused)
     idle_timeout: float | None = None
     log_monitor: bool = False  # its nodes forward worker output to drivers (`cluster up`: yes)
@@ -91,6 +159,13 @@ class ClusterInfo:
         except StateError:
             return False
         return bool(ownership.cluster_pids(self.cluster_id))
+
+    def to_dict(self) -> dict:
+        """The record's JSON form (schema `tpulaunch.cluster/v2`)."""
+        doc = {"schema": CLUSTER_SCHEMA, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        doc["slices"] = [s.to_dict() for s in self.slices]
+        doc["remote"] = self.remote.to_dict() if self.remote else None
+        return doc
 
     def ray_env(self) -> dict[str, str]:
         """Environment a process needs to talk to this cluster (on an emulated one, also QUIET_RAY)."""
@@ -122,7 +197,7 @@ def save_record(info: ClusterInfo, path: Path | None = None) -> None:
     tmp = p.with_name(p.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(asdict(info), f, indent=2)
+        json.dump(info.to_dict(), f, indent=2)
     os.replace(tmp, p)  # whole or not at all: a killed writer never leaves half a record
 
 
@@ -145,6 +220,10 @@ def load_record(path: Path | None = None) -> ClusterInfo | None:
         raise StateError(f"cluster record {p} is corrupt ({where})", _FORCE_HINT) from None
     if not isinstance(doc, dict):
         raise StateError(f"cluster record {p} is corrupt (a {type(doc).__name__}, not an object)", _FORCE_HINT)
+    schema = doc.get("schema", V1)
+    if schema not in (V1, CLUSTER_SCHEMA):
+        raise StateError(f"cluster record {p} is {str(schema)[:60]!r}, from another tpulaunch; this one reads"
+                         f" {CLUSTER_SCHEMA} (and {V1})", "use that tpulaunch, or " + _FORCE_HINT)
     known = {f.name for f in fields(ClusterInfo)}
     for name, value in doc.items():
         if name in _TYPES and not isinstance(value, _TYPES[name]):
@@ -153,9 +232,19 @@ def load_record(path: Path | None = None) -> ClusterInfo | None:
     for name in ("address", "temp_dir", "token_path", "emulated"):
         if name not in doc:
             raise StateError(f"cluster record {p} has no '{name}'", _FORCE_HINT)
-    if not all(isinstance(s, dict) for s in doc.get("slices", [])):
-        raise StateError(f"cluster record {p}: field 'slices' holds something other than slices", _FORCE_HINT)
-    return ClusterInfo(**{k: v for k, v in doc.items() if k in known})
+    fields_ = {k: v for k, v in doc.items() if k in known}
+    try:
+        fields_["slices"] = [SliceSpec.from_dict(s) for s in doc.get("slices", [])]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise StateError(f"cluster record {p}: field 'slices' holds something other than slices", _FORCE_HINT) from None
+    try:
+        fields_["remote"] = RemoteSpec.from_dict(doc["remote"]) if doc.get("remote") is not None else None
+    except (KeyError, TypeError, ValueError) as e:
+        raise StateError(f"cluster record {p}: field 'remote' is not a cluster on TPUs ({type(e).__name__}: {e})"[:300],
+                         _FORCE_HINT) from None
+    if fields_["remote"] is not None and not fields_["slices"]:
+        raise StateError(f"cluster record {p}: a cluster on TPUs with no slices", _FORCE_HINT)
+    return ClusterInfo(**fields_)
 
 
 def clear_record() -> None:

@@ -34,14 +34,14 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from tpulaunch import gcloud
 from tpulaunch.gcloud import SSH_TIMEOUT
 from tpulaunch.cluster.ownership import ID_ENV, MARKER
-from tpulaunch.cluster.record import ClusterInfo, check_token_file, state_dir
+from tpulaunch.cluster.record import ClusterInfo, RemoteSpec, check_token_file, state_dir
 from tpulaunch.errors import ClusterError
 from tpulaunch.plan.slicespec import SliceSpec
 
@@ -293,14 +293,15 @@ class RemoteSlice:
     def from_record(cls, info: ClusterInfo, index: int = 0) -> "RemoteSlice":
         """Slice `index` of a recorded cluster (`cluster up --tpu A [--tpu B ...]`), sharing its
         head and token."""
-        r = info.remote or {}
+        r = info.remote
+        assert r is not None, "a cluster on TPUs"
         head = None
-        if r.get("head") == "local":
-            head = LocalHead(ip=r["head_ip"], temp_dir=info.temp_dir or "", dashboard_port=int(r["dashboard_port"]),
-                             python=r.get("head_python") or sys.executable)
-        first = SliceSpec.from_dict(info.slices[0])
-        return cls(SliceSpec.from_dict(info.slices[index]), port=r["port"], temp_dir=r["temp_dir"], python=r["python"],
-                   cluster_id=info.cluster_id, head=head, setup=r.get("setup"),
+        if r.head_here:
+            head = LocalHead(ip=r.head_ip or "", temp_dir=info.temp_dir or "", dashboard_port=r.dashboard_port or 0,
+                             python=r.head_python or sys.executable)
+        first = info.slices[0]
+        return cls(info.slices[index], port=r.port, temp_dir=r.temp_dir, python=r.python,
+                   cluster_id=info.cluster_id, head=head, setup=r.setup,
                    key=cluster_key(first.project or "", first.zone or "", first.name))
 
     @property
@@ -452,13 +453,13 @@ class RemoteSlice:
         if errors:
             raise ClusterError("; ".join(f"worker {w}: {m}" for w, m in sorted(errors.items())),
                                "fix that and run `tpulaunch cluster up` again (hosts already up are left alone)")
-        remote = {"tpu": self.spec.name, "zone": self.spec.zone, "project": self.spec.project, "port": self.port,
-                  "temp_dir": self.temp_dir, "python": self.python, "head": "worker-0", "setup": self.setup}
+        remote = RemoteSpec((self.spec.name,), self.spec.zone or "", self.spec.project or "", self.port, self.temp_dir,
+                            self.python, "worker-0", self.setup)
         if self.head is not None:
-            remote.update(head="local", head_ip=self.head.ip, dashboard_port=self.head.dashboard_port,
-                          head_python=self.head.python)
+            remote = replace(remote, head="local", head_ip=self.head.ip, dashboard_port=self.head.dashboard_port,
+                             head_python=self.head.python)
         return ClusterInfo(address=self.address, temp_dir=self.head.temp_dir if self.head else None,
-                           token_path=str(token_path), emulated=False, slices=[self.spec.to_dict()],
+                           token_path=str(token_path), emulated=False, slices=[self.spec],
                            cluster_id=self.cluster_id, remote=remote,
                            dashboard=f"{self.head.ip}:{self.head.dashboard_port}" if self.head else None)
 
@@ -494,11 +495,6 @@ class RemoteSlice:
 
             results[-1] = {"stopped": stop_owned(self.cluster_id, self.head.temp_dir), "left": []}
         return results
-
-
-def tpu_names(remote: dict) -> list[str]:
-    """The TPUs a recorded cluster spans, in order (records of one TPU hold only "tpu")."""
-    return list(remote.get("tpus") or [remote["tpu"]])
 
 
 def recorded_slices(info: ClusterInfo) -> list[RemoteSlice]:

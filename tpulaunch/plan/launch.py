@@ -25,7 +25,7 @@ import datetime
 import re
 import secrets
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Callable, Mapping
 
 from tpulaunch.errors import LaunchError
 from tpulaunch.plan.contract import MEGASCALE_PORT, Endpoints, HostSlot, HostState, Job
@@ -64,6 +64,41 @@ def new_run_id() -> str:
     """Sortable and unique: `20261121-223012-3f9a`."""
     now = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return f"{now}-{secrets.token_hex(2)}"
+
+
+MAX_ENV_FILE_BYTES = 1 << 20
+
+
+def resolve_env(items: list[str] | tuple[str, ...] | None, files: list[str] | tuple[str, ...] | None,
+                environ: Mapping[str, str], read: Callable[[str], str]) -> tuple[str, ...]:
+    """`--env` and `--env-file` as `KEY=VALUE` items, resolved where the user typed them (pure but
+    for `read`): `--env NAME` takes NAME's value from `environ`; a file is dotenv (`KEY=VALUE`,
+    `export KEY=VALUE`, `#` comments, values in single or double quotes). Files first, flags win."""
+    out: list[str] = []
+    for path in files or ():
+        text = read(path)
+        for n, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.removeprefix("export ").strip().partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or not _ENV_KEY.match(key):
+                raise LaunchError(f"--env-file {path} line {n} is not KEY=VALUE", "write lines as NAME=value")
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            out.append(f"{key}={value}")
+    for item in items or ():
+        key, sep, _ = item.partition("=")
+        if not sep:
+            if not _ENV_KEY.match(key):
+                raise LaunchError(f"--env '{item[:80]}' is not KEY=VALUE or NAME", "write it as --env NAME=value or --env NAME")
+            if key not in environ:
+                raise LaunchError(f"--env {key} takes its value from this environment, where {key} is not set",
+                                  f"export {key}=... first, or write --env {key}=value")
+            item = f"{key}={environ[key]}"
+        out.append(item)
+    return tuple(out)
 
 
 def parse_env(items: list[str] | None) -> dict[str, str]:

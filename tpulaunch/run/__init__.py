@@ -10,10 +10,10 @@
 
 from tpulaunch.run.execute import Limits, Sink, execute
 from tpulaunch.run.launch import Connection, launch
-from tpulaunch.run.prepare import (LaunchRequest, Prepared, Target, check_script, find_cluster, head_python, is_local,
-                                   prepare, shipped_workdir)
+from tpulaunch.run.prepare import (LaunchRequest, Prepared, Target, check_script, client_env, find_cluster, head_python,
+                                   is_local, prepare, shipped_workdir)
 from tpulaunch.run.summary import Attempt, HostResult, Outcome, RunSummary
 
 __all__ = ["Attempt", "Connection", "HostResult", "LaunchRequest", "Limits", "Outcome", "Prepared", "RunSummary",
-           "Sink", "Target", "check_script", "execute", "find_cluster", "head_python", "is_local", "launch", "prepare",
+           "Sink", "Target", "check_script", "client_env", "execute", "find_cluster", "head_python", "is_local", "launch", "prepare",
            "shipped_workdir"]

@@ -15,7 +15,6 @@ either is missing.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import os
@@ -42,16 +41,68 @@ STOP_WAIT_S = 90  # what Ray gives the supervisor after SIGTERM (it stops every 
 # -- the request, across the job boundary ----------------------------------------------------------
 
 
-def encode_request(req: LaunchRequest) -> str:
-    return base64.urlsafe_b64encode(json.dumps(dataclasses.asdict(req)).encode()).decode()
+# The request (its `--env` values included) never travels on a command line or in the job table:
+# the client stores it in the cluster's GCS behind the token (the job API's package upload, where
+# `ray job submit` puts a working directory) and the job's entrypoint names only its key. The
+# supervisor reads it and deletes it.
+REQUEST_SCHEMA = "tpulaunch.request/v1"
+REQUEST_PREFIX = "gcs://_tpulaunch_request_"
+MAX_REQUEST_BYTES = 1 << 20
 
 
-def decode_request(text: str) -> LaunchRequest:
-    d = json.loads(base64.urlsafe_b64decode(text.encode()))
-    d["slices"] = discover.SliceRequest(**d["slices"])
-    for key in ("args", "command", "env"):
-        d[key] = tuple(d[key])
-    return LaunchRequest(**d)
+def request_uri(run_id: str) -> str:
+    return f"{REQUEST_PREFIX}{run_id}.zip"  # Ray's package store takes only .zip names
+
+
+def request_document(req: LaunchRequest) -> bytes:
+    """The versioned document a detached run's supervisor is started from."""
+    return json.dumps({"schema": REQUEST_SCHEMA, "request": dataclasses.asdict(req)}).encode()
+
+
+def read_request_document(data: bytes) -> LaunchRequest:
+    """The request from `request_document`'s bytes; one line (exit 2) for anything else."""
+    from tpulaunch.errors import TpulaunchError
+
+    if len(data) > MAX_REQUEST_BYTES:
+        raise TpulaunchError(f"the run's request is {len(data)} bytes, more than {MAX_REQUEST_BYTES}", "submit it again")
+    try:
+        doc = json.loads(data.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise TpulaunchError("the run's request is not a JSON document", "submit the run again") from None
+    schema = doc.get("schema") if isinstance(doc, dict) else None
+    if schema != REQUEST_SCHEMA:
+        raise TpulaunchError(f"the run's request is {schema!r}, this tpulaunch reads {REQUEST_SCHEMA!r}",
+                             "submit from a client with the same tpulaunch version as the head")
+    try:
+        d = dict(doc["request"])
+        d["slices"] = discover.SliceRequest(**d["slices"])
+        for key in ("args", "command", "env"):
+            d[key] = tuple(d[key])
+        return LaunchRequest(**d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise TpulaunchError(f"the run's request does not fit this tpulaunch: {e}",
+                             "submit from a client with the same tpulaunch version as the head") from None
+
+
+def take_request(uri: str) -> LaunchRequest:
+    """On the head: the stored request (the job's Ray gives the address and token), then delete it."""
+    from tpulaunch.errors import TpulaunchError
+
+    if not uri.startswith(REQUEST_PREFIX) or not re.fullmatch(r"[A-Za-z0-9_.-]+", uri.removeprefix("gcs://")):
+        raise TpulaunchError(f"--request {uri[:80]!r} is not a run's request", "`tpulaunch run --detach` starts these")
+    address = os.environ.get("RAY_ADDRESS", "")
+    if not address:
+        raise TpulaunchError("a supervisor runs as a Ray job (RAY_ADDRESS names its cluster)",
+                             "`tpulaunch run --detach` starts these")
+    from ray._raylet import GcsClient
+
+    gcs = GcsClient(address=address.removeprefix("ray://"))
+    key = uri.encode()
+    data = gcs.internal_kv_get(key, namespace=None, timeout=15)
+    if data is None:
+        raise TpulaunchError(f"the cluster holds no request {uri}", "it is read once; submit the run again")
+    gcs.internal_kv_del(key, False, namespace=None, timeout=15)
+    return read_request_document(data)
 
 
 # -- which cluster, which API -----------------------------------------------------------------------
@@ -100,9 +151,9 @@ def _dashboard_from_gcs(cluster: ClusterInfo) -> str:
 # -- submitting -------------------------------------------------------------------------------------
 
 
-def supervisor_entrypoint(req: LaunchRequest, python: str, workdir: str | None) -> str:
-    """The shell line the job runs: `tpulaunch supervise` with the request (in place when `workdir`)."""
-    line = f"{shlex.quote(python)} -m tpulaunch supervise {encode_request(req)}"
+def supervisor_entrypoint(run_id: str, python: str, workdir: str | None) -> str:
+    """The shell line the job runs: `tpulaunch supervise` and where its request is (in place when `workdir`)."""
+    line = f"{shlex.quote(python)} -m tpulaunch supervise --request {shlex.quote(request_uri(run_id))}"
     return f"cd {shlex.quote(workdir)} && exec {line}" if workdir else f"exec {line}"
 
 
@@ -129,9 +180,13 @@ def submit(req: LaunchRequest, cluster: ClusterInfo, api: JobApi, *, runtime_env
         # every actor it starts (its cwd is the unpacked copy).
         workdir, job_env = None, {**(runtime_env or {}), "env_vars": env_vars}
         sup_req = dataclasses.replace(sup_req, workdir=".")
-    entry = supervisor_entrypoint(sup_req, python or (sys.executable if is_local(cluster) else "python3"), workdir)
+    entry = supervisor_entrypoint(run_id, python or (sys.executable if is_local(cluster) else "python3"), workdir)
     meta = {META_KEY: "run", "run_id": run_id, "script": req.script or " ".join(req.command),
             "submitted_from": os.uname().nodename}
+    if api.info(run_id) is not None:  # its request would overwrite a running run's
+        raise ClusterError(f"a run with id {run_id} was already submitted to this cluster",
+                           "see it with `tpulaunch status " + run_id + "`")
+    api.put_package(request_uri(run_id), request_document(sup_req))
     api.submit(entrypoint=entry, submission_id=run_id, runtime_env=job_env, metadata=meta)
     return run_id
 
@@ -288,6 +343,35 @@ def follow_driver_log(api: JobApi, run_id: str, poll_s: float = 0.5):  # noqa: A
         if done:
             return
         time.sleep(poll_s)
+
+
+def follow_host_log(api: JobApi, job: JobInfo, host: int, attempt: int | None, follow: bool):  # noqa: ANN201
+    """One host's whole log of one attempt (default: the run's latest), as it grows when `follow`."""
+    from tpulaunch.errors import TpulaunchError
+
+    view = read_view(api, job)
+    k = attempt if attempt is not None else (view.attempt if view else 0)
+    if not job.driver_node_id:
+        raise TpulaunchError(f"run {job.submission_id} has not started on the head yet", "try again in a moment")
+    name = file_path(job.submission_id, f"attempt-{k}", f"host-{host}.log")
+    seen = 0
+    while True:
+        text = api.read_file(job.driver_node_id, name)
+        if text is None and not follow:
+            raise TpulaunchError(f"run {job.submission_id} has no log of host {host} in attempt {k}",
+                                 "see `tpulaunch status " + job.submission_id + "` for its hosts and attempts")
+        text = text or ""
+        if len(text) > seen:
+            yield text[seen:]
+            seen = len(text)
+        info = api.info(job.submission_id)
+        if not follow or info is None or info.terminal:
+            if follow:
+                rest = api.read_file(job.driver_node_id, name) or ""
+                if len(rest) > seen:
+                    yield rest[seen:]
+            return
+        time.sleep(1.0)
 
 
 # -- the supervisor's side ---------------------------------------------------------------------------

@@ -27,6 +27,33 @@ from tpulaunch.plan.slicespec import SliceSpec
 WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "node_modules"]
 
 
+def read_env_file(path: str) -> str:
+    """An `--env-file`: a regular file of at most 1 MiB, UTF-8; anything else is one line (exit 2)."""
+    import stat
+
+    from tpulaunch.plan.launch import MAX_ENV_FILE_BYTES
+
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise LaunchError(f"--env-file {path[:200]} is not a regular file", "give a dotenv file (NAME=value lines)")
+        if st.st_size > MAX_ENV_FILE_BYTES:
+            raise LaunchError(f"--env-file {path[:200]} is {st.st_size} bytes", "an env file is at most 1 MiB")
+        with open(path, "rb") as f:
+            return f.read(MAX_ENV_FILE_BYTES + 1).decode()
+    except UnicodeDecodeError:
+        raise LaunchError(f"--env-file {path[:200]} is not UTF-8 text", "write it as NAME=value lines") from None
+    except OSError as e:
+        raise LaunchError(f"--env-file {path[:200]}: {e.strerror}", "give a readable dotenv file") from None
+
+
+def client_env(items: list[str] | tuple[str, ...] | None, files: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """`--env` / `--env-file` resolved on the client (its environment, its files)."""
+    from tpulaunch.plan.launch import resolve_env
+
+    return resolve_env(items, files, os.environ, read_env_file)
+
+
 @dataclass(frozen=True)
 class LaunchRequest:
     """What `run` / `exec` were asked to do, as given (checked by `prepare`)."""
@@ -109,7 +136,7 @@ def is_local(cluster: ClusterInfo) -> bool:
 
 def head_python(cluster: ClusterInfo) -> str | None:
     """The Python with tpulaunch on the cluster's head, where the record knows it."""
-    return (cluster.remote or {}).get("head_python")
+    return cluster.remote.head_python if cluster.remote else None
 
 
 def check_script(req: LaunchRequest) -> str:
@@ -214,7 +241,7 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
 
 def recorded_slices(cluster: ClusterInfo) -> discover.ClusterSlices:
     """The slices of an emulated cluster, as its record lists them."""
-    return discover.ClusterSlices(True, tuple(SliceSpec.from_dict(d) for d in cluster.slices))
+    return discover.ClusterSlices(True, tuple(cluster.slices))
 
 
 def _warm_cluster_for(req: LaunchRequest) -> ClusterInfo | None:

@@ -56,11 +56,11 @@ def refusal(cluster: ClusterInfo | None, emulated: bool) -> str | None:
     if emulated or cluster is None or cluster.emulated:
         return ("--recreate makes real slices again through the Cloud TPU API; an emulated slice's lost hosts are"
                 " started again without it")
-    remote = cluster.remote or {}
-    if not remote.get("tpu"):
+    remote = cluster.remote
+    if remote is None:
         return "--recreate needs a cluster brought up by `tpulaunch cluster up --tpu NAME --head local` (none is recorded)"
-    if remote.get("head") != "local":
-        return (f"--recreate with the Ray head on worker 0 of '{remote['tpu']}': the head would be preempted with the"
+    if not remote.head_here:
+        return (f"--recreate with the Ray head on worker 0 of '{remote.tpu}': the head would be preempted with the"
                 " slice. bring the cluster up with `tpulaunch cluster up --tpu NAME --head local`")
     return None
 
@@ -79,8 +79,8 @@ def check(cluster: ClusterInfo | None, emulated: bool, max_preemptions: int) -> 
                           "add --max-preemptions N (each re-creation counts as one)")
     assert cluster is not None and cluster.remote  # refusal() said so
     r = cluster.remote
-    for d in cluster.slices:
-        spec = discover.describe_node(d["name"], zone=r["zone"], project=r["project"])
+    for s in cluster.slices:
+        spec = discover.describe_node(s.name, zone=r.zone, project=r.project)
         if not spec.queued_resource:
             raise LaunchError(f"TPU '{spec.name}' was not created through a queued resource: nothing records how to"
                               " make it again", "create it with `tpulaunch slice create NAME ... --spot`, or run without"
@@ -116,9 +116,9 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
     from tpulaunch.errors import NodeNotFoundError
 
     end = time.monotonic() + deadline_s
-    r = cluster.remote or {}
-    project, zone = r["project"], r["zone"]
-    specs = [SliceSpec.from_dict(d) for d in cluster.slices]
+    assert cluster.remote is not None  # refusal() said so before the run started
+    project, zone = cluster.remote.project, cluster.remote.zone
+    specs = list(cluster.slices)
     done: list[Recreation] = []
     seen: set[str] = set()
     for spec in specs:
@@ -155,8 +155,8 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
             # the head is off the slices (`refusal`): its address stays, only the workers are new
             rs.up(progress=lambda w, s, name=name: say(f"slice {name} worker {w}: {s}"), replaced=True,
                   replaced_wait_s=max(1.0, end - time.monotonic()))
-            cluster.slices[i] = fresh.to_dict()
+            cluster.slices[i] = fresh
         rec.steps["setup_join_s"] = time.monotonic() - t
         save_record(cluster)  # the record follows the new VMs (status, down, the next re-creation)
         done.append(rec)
-    return done, [SliceSpec.from_dict(d) for d in cluster.slices]
+    return done, list(cluster.slices)

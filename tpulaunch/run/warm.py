@@ -18,7 +18,7 @@ from tpulaunch.plan.slicespec import SliceSpec
 
 def prewarm_cluster(info: ClusterInfo, framework: str = "torch_xla", timeout_s: float = 60.0) -> int:
     """Start every host's agent with a spare importing `framework`; returns how many hosts."""
-    slices = [SliceSpec.from_dict(d) for d in info.slices]
+    slices = list(info.slices)
     topo = slices[0].to_topology()
     fw = frameworks.get(framework)
     plan = build_plan(
