@@ -105,6 +105,35 @@ class Process:
             return "?"
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Orphans of our children come to us, not to init (PR_SET_CHILD_SUBREAPER), so we can wait for
+    them when we end them. False if the kernel refused."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except OSError:
+        return False
+
+
+def reap(pids: Iterable[int], timeout_s: float = 2.0) -> None:
+    """Wait for those of `pids` that are our children (orphans handed to us as subreaper), so none
+    outlives us as a zombie in our process group. Others are not ours to wait for: skipped."""
+    deadline = time.monotonic() + timeout_s
+    for pid in set(pids):
+        while True:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                break  # not our child (or already waited for)
+            if done or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie or a dead pid is not)."""
     return Process(pid).state() not in ("", "Z", "X")

@@ -54,3 +54,26 @@ def test_decide(a, budgets, spent, action, after, why):
         assert d.why is None
     else:
         assert why in d.why
+
+
+def test_a_run_stopped_between_attempts_ends_143_whatever_it_was_doing():
+    """`tpulaunch stop` while a preempted slice is re-created: the last attempt was PREEMPTED (75),
+    the run ends STOPPED, 143 (130 for SIGINT); a run not stopped keeps its attempt's outcome."""
+    import signal
+
+    from tpulaunch.plan.mesh import plan_mesh
+    from tpulaunch.plan.topology import resolve
+    from tpulaunch.plan.launch import build_plan
+    from tpulaunch.plan.slicespec import SliceSpec
+    from tpulaunch.run.launch import _summary
+    from tpulaunch.run.policy import Spent
+
+    t = resolve("v4-16")
+    plan = build_plan(slices=[SliceSpec.emulated_from(t, "s")], mesh=plan_mesh(t), script="t.py", run_id="r",
+                      coordinator_port=1, emulated=True, log_dir="/l", workdir="/w")
+    preempted = attempt(Outcome.PREEMPTED, 75)
+    for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        s = _summary(plan, [preempted], Spent(), "waiting for the slice", signum, 1.0, {})
+        assert (s.outcome, s.exit_code, s.interrupted) == (Outcome.INTERRUPTED, code, signal.Signals(signum).name)
+    s = _summary(plan, [preempted], Spent(), None, None, 1.0, {})
+    assert (s.outcome, s.exit_code) == (Outcome.PREEMPTED, 75)

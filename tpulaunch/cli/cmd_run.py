@@ -257,7 +257,7 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
         print_plan(out, prep, show_env)
         return 0
     sink = TerminalSink(out, show, len(prep.plan.hosts), every=(hosts or "").strip() == "all")
-    summary = where.run(prep, sink, conn, debug=debug_enabled())
+    summary = where.run(prep, conn, sink, debug=debug_enabled())
     report(out, summary, sink)
     return summary.exit_code
 

@@ -230,18 +230,10 @@ def logs_dir() -> str:
     return node.get_logs_dir_path()
 
 
-_GONE: list[bool] = []  # the cluster's head is gone: no Ray call can return
-
-
-def forget_cluster() -> None:
-    """The head is gone: make no more Ray calls (each would wait for it; Ray would then end us)."""
-    _GONE.append(True)
-
-
 def abandoned() -> bool:
-    """True when Ray cannot be left cleanly (a ray.init never returned, or the head is gone):
-    the process must not wait for Ray on its way out (`os._exit` after the last output)."""
-    return bool(_GONE) or any(t.is_alive() for t in _ABANDONED)
+    """True when Ray cannot be left cleanly (a ray.init never returned): the process must not wait
+    for Ray on its way out (`os._exit` after the last output)."""
+    return any(t.is_alive() for t in _ABANDONED)
 
 
 def disconnect(timeout: float = 10.0) -> None:

@@ -213,6 +213,9 @@ def start_emulated(
     say = progress or (lambda _m: None)
     hosts = [(s, w) for s in slices for w in range(topology.num_hosts)]
     check_capacity(len(hosts))
+    # The nodes' processes outlive the helpers that start them: as their subreaper this process
+    # can wait for them when it stops the cluster (a cold `run` returns with none left behind).
+    procfs.become_subreaper()
     cluster_id = ownership.new_cluster_id()
     temp_dir = ownership.make_temp_dir(cluster_id, state_dir())
     token_path = os.path.join(temp_dir, "auth_token")
@@ -272,7 +275,15 @@ def stop_owned(cluster_id: str, temp_dir: str | None, grace_s: float = 1.0) -> i
     """Stop the processes carrying `cluster_id`, then remove `temp_dir` if it is still marked for it."""
     verified = temp_dir if temp_dir and ownership.marker_id(temp_dir) == cluster_id else None
     pids = ownership.cluster_pids(cluster_id, verified)
-    procfs.stop(lambda: ownership.cluster_pids(cluster_id, verified), grace_s)
+    seen = set(pids)
+
+    def find() -> list[int]:
+        now = ownership.cluster_pids(cluster_id, verified)
+        seen.update(now)
+        return now
+
+    procfs.stop(find, grace_s)
+    procfs.reap(seen)  # the nodes this process started are its (subreaper) children: none left a zombie
     if verified:
         shutil.rmtree(verified, ignore_errors=True)
     return len(pids)

@@ -40,6 +40,7 @@ from typing import Callable
 
 from tpulaunch import gcloud
 from tpulaunch.gcloud import SSH_TIMEOUT
+from tpulaunch.cluster import worker_query, worker_stop
 from tpulaunch.cluster.ownership import ID_ENV, MARKER
 from tpulaunch.cluster.record import ClusterInfo, RemoteSpec, check_token_file, state_dir
 from tpulaunch.errors import ClusterError
@@ -47,7 +48,7 @@ from tpulaunch.plan.slicespec import SliceSpec
 
 DEFAULT_PORT = 6379
 DEFAULT_PYTHON = "python3"
-JSON_MARK = "TPULAUNCH-JSON:"
+JSON_MARK = worker_query.JSON_MARK
 REMOTE_TOKEN = '"$HOME"/.tpulaunch/ray_token'  # a fixed fragment of ours: $HOME expands remotely
 WRITE_TOKEN = f'umask 077 && mkdir -p "$HOME"/.tpulaunch && cat > {REMOTE_TOKEN}'
 AUTH_ENV = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={REMOTE_TOKEN} RAY_USAGE_STATS_ENABLED=0"
@@ -101,111 +102,19 @@ def start_command(words: list[str], temp_dir: str, cluster_id: str) -> str:
             f" {gcloud.shell_words(words)}")
 
 
-_QUERY = r"""
-# tpulaunch-query: which nodes does the Ray head know? (prints one marked JSON line)
-import json, socket, sys
-addr = sys.argv[1]
-host, port = addr.rsplit(":", 1)
-out = {"head": False, "nodes": []}
-try:
-    socket.create_connection((host, int(port)), timeout=3).close()
-except OSError as e:
-    out["error"] = str(e)
-    print("@JSON_MARK@" + json.dumps(out)); sys.exit(0)
-out["head"] = True
-try:
-    import ray
-    ray.init(address=addr, logging_level="ERROR", log_to_driver=False)
-    try:
-        from ray._private.state import state
-        avail = state._available_resources_per_node()
-    except Exception:
-        avail = {}
-    for n in ray.nodes():
-        out["nodes"].append({k: n.get(k) for k in ("NodeID", "Alive", "Labels", "Resources", "NodeManagerAddress")}
-                            | {"Available": avail.get(n["NodeID"], {})})
-    ray.shutdown()
-except Exception as e:
-    out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-print("@JSON_MARK@" + json.dumps(out))
-""".replace("@JSON_MARK@", JSON_MARK)
+def _source(module) -> str:  # noqa: ANN001 - a module of this package
+    """A worker program's source, sent with `python -c` (the worker needs no tpulaunch)."""
+    return Path(module.__file__).read_text()
 
-_STOP = r"""
-# tpulaunch-stop: end the processes of one cluster on this host, by pid: those started with its id,
-# and (its temp dir marked for it) this user's processes holding files in that dir (Ray's agents
-# rename themselves, which hides their environment)
-import json, os, shutil, signal, sys, time
-d, cid = os.path.realpath(sys.argv[1]), sys.argv[2]
-entry = ("TPULAUNCH_CLUSTER_ID=" + cid).encode()
-try:
-    marked = json.load(open(os.path.join(d, "@MARKER_FILE@"))).get("cluster_id") == cid and not os.path.islink(d)
-except (OSError, ValueError, AttributeError):
-    marked = False
-inside = d.rstrip("/") + "/"
-def alive(pid):
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except Exception:
-        return False
-def in_dir(e):
-    try:
-        if os.stat(f"/proc/{e}").st_uid != os.getuid():
-            return False
-        args = open(f"/proc/{e}/cmdline", "rb").read().decode(errors="replace").split("\0")
-        if any(a == d or a.startswith(inside) for a in args):
-            return True
-        for fd in os.listdir(f"/proc/{e}/fd"):
-            try:
-                if os.readlink(f"/proc/{e}/fd/{fd}").startswith(inside):
-                    return True
-            except OSError:
-                continue
-    except OSError:
-        pass
-    return False
-def members():
-    out = []
-    for e in os.listdir("/proc"):
-        if not e.isdigit() or int(e) == os.getpid() or not alive(e):
-            continue
-        try:
-            env = open(f"/proc/{e}/environ", "rb").read().split(b"\0")
-        except OSError:
-            env = []
-        if entry in env or (marked and in_dir(e)):
-            out.append(int(e))
-    return out
-def gcs(pid):
-    try:
-        return b"gcs_server" in open(f"/proc/{pid}/cmdline", "rb").read()
-    except OSError:
-        return False
-found = members()
-# the node's processes first, the GCS (on the head) last: a GCS told to stop together with the
-# processes that report to it outlived SIGTERM for the whole grace (down took 10.5 s, now 0.9 s)
-for sig, wait, which in ((signal.SIGTERM, 10.0, lambda p: not gcs(p)), (signal.SIGTERM, 10.0, gcs),
-                         (signal.SIGKILL, 5.0, lambda p: True)):
-    for pid in [p for p in members() if which(p)]:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-    end = time.monotonic() + wait
-    while time.monotonic() < end and [p for p in members() if which(p)]:
-        time.sleep(0.2)
-left = members()
-if not left and marked:
-    shutil.rmtree(d, ignore_errors=True)
-print("@JSON_MARK@" + json.dumps({"stopped": len(found), "left": left, "removed": bool(not left and marked)}))
-""".replace("@JSON_MARK@", JSON_MARK).replace("@MARKER_FILE@", MARKER)
+
 
 
 def query_command(python: str, head_ip: str, port: int) -> str:
-    return f"{AUTH_ENV} {gcloud.shell_words([python, '-c', _QUERY, f'{head_ip}:{port}'])}"
+    return f"{AUTH_ENV} {gcloud.shell_words([python, '-c', _source(worker_query), f'{head_ip}:{port}'])}"
 
 
 def stop_command(python: str, temp_dir: str, cluster_id: str) -> str:
-    return gcloud.shell_words([python, "-c", _STOP, temp_dir, cluster_id])
+    return gcloud.shell_words([python, "-c", _source(worker_stop), temp_dir, cluster_id])
 
 
 def _marked_json(text: str) -> dict | None:
@@ -323,7 +232,7 @@ class RemoteSlice:
         if self.head is not None:
             token = token_file(self.key)
             env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0"}
-            proc = subprocess.run([self.head.python, "-c", _QUERY, self.address], env=env, capture_output=True,
+            proc = subprocess.run([self.head.python, "-c", _source(worker_query), self.address], env=env, capture_output=True,
                                   text=True, timeout=120)
         else:
             proc = self.ssh(0, query_command(self.python, self.head_ip, self.port))

@@ -60,7 +60,6 @@ _PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, -1
 EXIT_TPU_BUSY = ExitCode.TPU_BUSY  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
 DRIVER_GONE_S = 60.0  # a run nobody polled for this long has lost its driver
 DRAIN_S = 2.0  # after a host's script exits: how long the output still in its pipes may take to arrive
-_PR_SET_CHILD_SUBREAPER = 36
 NAMESPACE = "tpulaunch"
 
 
@@ -139,14 +138,6 @@ def _child_setup() -> None:
         libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)
     except OSError:
         pass
-
-
-def _become_subreaper() -> bool:
-    """Orphans of our children come to us, not to init (PR_SET_CHILD_SUBREAPER). False if refused."""
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except OSError:
-        return False
 
 
 def exit_code_of(returncode: int) -> int:
@@ -352,7 +343,7 @@ class HostAgent:
         self._notes: list[str] = []  # tpulaunch's own lines for the next poll (a busy TPU)
         self._helpers: set[int] = set()  # short-lived children of ours (py-spy): never a host's leftover
         self._lock = threading.Lock()
-        self._subreaper = _become_subreaper()  # what a host's script leaves (even after setsid) stays below us
+        self._subreaper = procfs.become_subreaper()  # what a host's script leaves (even after setsid) stays below us
         if threading.current_thread() is threading.main_thread():
             # A threaded actor's __init__ runs on the worker's main thread: the one place a signal
             # handler can be installed. SIGTERM to this process is the host going away.

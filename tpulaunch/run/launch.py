@@ -156,6 +156,7 @@ def launch(prep: Prepared, sink: Sink, connection: Connection | None = None, *, 
         except Interrupted as e:
             interrupted = e.signum
         finally:
+            interrupted = interrupted or sigs.received  # a stop between attempts (waiting for a slice) too
             sigs.raise_now = False
             conn.close()
             if owned is not None and not (req.keep_cluster and interrupted is None and _keep(owned, req, sink)):
@@ -216,27 +217,33 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
         sink.status(RunView(plan.run_id, RunState.RESTARTING, a.index, tuple(), attempts_brief(attempts),
                             note=f"attempt {a.index}: {a.outcome}: {who}"))
         spent = decision.spent
+        if sigs.received is not None:
+            return spent, None
         if decision.action is policy.Action.WAIT_FOR_SLICE:
-            t0 = time.monotonic()
-            if req.recreate:
-                lost = sorted({current.hosts[h.process_index].slice_name for h in a.hosts if h.lost or h.preempted})
-                try:
-                    recs, slices = recreate.bring_back(cluster, lost, req.preemption_wait, sink.progress)
-                except TpulaunchError as e:
-                    return spent, f"the slice was not made again within --preemption-wait {req.preemption_wait:g} s: {e.line()}"
-                a.recreated = [r.to_dict() for r in recs]
-                if recs:  # the Cloud TPU API's word: these hosts were not just lost, their slice was preempted
-                    a.outcome = Outcome.PREEMPTED
-                    a.note = "; ".join(f"slice {r.slice} preempted ({r.why})" for r in recs)
-                    current = current.on_slices(recreate.in_run_order(current.slices, slices))
-            left = max(1.0, req.preemption_wait - (time.monotonic() - t0))
-            sink.progress(f"{who}: waiting up to {left:.0f} s for the slice to be whole again in Ray"
-                          f" (preemption {spent.preemptions} of {req.max_preemptions})")
-            t1 = time.monotonic()
-            if not _wait_for_slice(current, cluster, left, sigs, sink):
-                return spent, f"the slice was not whole again within --preemption-wait {req.preemption_wait:g} s"
-            for r in a.recreated:
-                r["steps"]["ray_whole_s"] = round(time.monotonic() - t1, 2)
+            sigs.raise_now = True  # no host runs while the slice is awaited: a stop ends the wait at once
+            try:
+                t0 = time.monotonic()
+                if req.recreate:
+                    lost = sorted({current.hosts[h.process_index].slice_name for h in a.hosts if h.lost or h.preempted})
+                    try:
+                        recs, slices = recreate.bring_back(cluster, lost, req.preemption_wait, sink.progress)
+                    except TpulaunchError as e:
+                        return spent, f"the slice was not made again within --preemption-wait {req.preemption_wait:g} s: {e.line()}"
+                    a.recreated = [r.to_dict() for r in recs]
+                    if recs:  # the Cloud TPU API's word: these hosts were not just lost, their slice was preempted
+                        a.outcome = Outcome.PREEMPTED
+                        a.note = "; ".join(f"slice {r.slice} preempted ({r.why})" for r in recs)
+                        current = current.on_slices(recreate.in_run_order(current.slices, slices))
+                left = max(1.0, req.preemption_wait - (time.monotonic() - t0))
+                sink.progress(f"{who}: waiting up to {left:.0f} s for the slice to be whole again in Ray"
+                              f" (preemption {spent.preemptions} of {req.max_preemptions})")
+                t1 = time.monotonic()
+                if not _wait_for_slice(current, cluster, left, sigs, sink):
+                    return spent, f"the slice was not whole again within --preemption-wait {req.preemption_wait:g} s"
+                for r in a.recreated:
+                    r["steps"]["ray_whole_s"] = round(time.monotonic() - t1, 2)
+            finally:
+                sigs.raise_now = False
         else:
             sink.progress(f"{who}: restarting the whole slice (restart {spent.restarts} of {req.max_restarts})")
         if sigs.received is not None:
@@ -297,6 +304,8 @@ def _summary(plan: LaunchPlan, attempts: list[Attempt], spent: policy.Spent, not
         code = exit_code_for(outcome, None, interrupted)
     else:
         outcome, code = last.outcome, last.exit_code
+    if interrupted and outcome is not Outcome.INTERRUPTED:  # a stopped run is 143 (130) whatever it was doing
+        outcome, code = Outcome.INTERRUPTED, exit_code_for(Outcome.INTERRUPTED, None, interrupted)
     signum = interrupted or (signal.Signals[last.signal].value if last and last.signal else None)
     return RunSummary(
         run_id=plan.run_id, exit_code=code, emulated=plan.emulated,

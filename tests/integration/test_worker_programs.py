@@ -1,0 +1,51 @@
+"""The programs tpulaunch sends to TPU workers over gcloud ssh (`cluster/worker_stop.py`,
+`cluster/worker_query.py`), run as they are sent: their own source with `python -c`, no tpulaunch
+import on the other side."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+
+from tpulaunch.cluster import ownership, remote, worker_query, worker_stop
+
+
+def _answer(command: str) -> dict:
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"]})  # nothing of tpulaunch's on the other side
+    line = next(l for l in proc.stdout.splitlines() if l.startswith(remote.JSON_MARK))
+    return json.loads(line[len(remote.JSON_MARK):])
+
+
+def test_the_stop_program_ends_the_clusters_processes_only_and_removes_its_marked_dir(tmp_path):
+    assert worker_stop.MARKER == ownership.MARKER and worker_stop.JSON_MARK == remote.JSON_MARK
+    d = tmp_path / "ray-tmp"
+    d.mkdir()
+    (d / ownership.MARKER).write_text(json.dumps({"cluster_id": "cid-1"}))
+    ours = subprocess.Popen(["sleep", "60"], env={**os.environ, ownership.ID_ENV: "cid-1"})
+    other = subprocess.Popen(["sleep", "60"], env={**os.environ, ownership.ID_ENV: "cid-2"})
+    holder = subprocess.Popen(["sleep", "60"], stdout=open(d / "out.log", "w"))  # holds a file inside the marked dir
+    try:
+        doc = _answer(remote.stop_command(sys.executable, str(d), "cid-1"))
+        assert doc == {"stopped": 2, "left": [], "removed": True}
+        assert ours.wait(5) is not None and holder.wait(5) is not None
+        assert other.poll() is None  # another cluster's process is not ours
+        assert not d.exists()
+    finally:
+        for p in (ours, other, holder):
+            p.kill()
+            p.wait()
+
+
+def test_the_query_program_says_when_no_head_listens():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        command = f"{shlex.quote(sys.executable)} -c {shlex.quote(open(worker_query.__file__).read())} 127.0.0.1:{port}"
+        doc = _answer(command)
+    assert doc["head"] is False and doc["nodes"] == [] and doc["error"]
