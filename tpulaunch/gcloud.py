@@ -18,6 +18,7 @@ import re
 import shlex
 import shutil
 import subprocess
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from tpulaunch import settings
@@ -88,19 +89,34 @@ def tpu_vm_ssh_argv(name: str, *, zone: str, project: str, worker: int, command:
             f"--worker={int(worker)}", "--command", command]
 
 
+@dataclass(frozen=True)
+class SshResult:
+    """What `gcloud compute tpus tpu-vm ssh` gave, read here (the one module that reads gcloud's words)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def vm_gone(self) -> bool:
+        """The TPU VM itself does not exist (preempted and deleted, or never made): gcloud's NOT_FOUND."""
+        return self.returncode != 0 and "NOT_FOUND" in self.stderr
+
+
 def tpu_vm_ssh(
     name: str, *, zone: str, project: str, worker: int, command: str, stdin: str | None = None,
     timeout: float = SSH_TIMEOUT,
-) -> subprocess.CompletedProcess:
+) -> SshResult:
     """Run `command` (a shell line built with `shell_words`) on one worker; stdin is forwarded.
 
-    Returns the CompletedProcess (stdout/stderr as text); raises ClusterError only when gcloud
-    cannot be run at all or takes longer than `timeout`.
+    Returns what it gave (stdout/stderr as text); raises ClusterError only when gcloud cannot be
+    run at all or takes longer than `timeout`.
     """
     argv = tpu_vm_ssh_argv(name, zone=zone, project=project, worker=worker, command=command)
     try:
-        return subprocess.run(argv, input=stdin if stdin is not None else "", capture_output=True, text=True,
+        proc = subprocess.run(argv, input=stdin if stdin is not None else "", capture_output=True, text=True,
                               timeout=timeout, check=False)
+        return SshResult(proc.returncode, proc.stdout, proc.stderr)
     except subprocess.TimeoutExpired as e:
         raise ClusterError(f"gcloud ssh to {name} worker {worker} took longer than {timeout:g}s",
                            "check that the TPU VMs are reachable: gcloud compute tpus tpu-vm ssh "

@@ -1,4 +1,4 @@
-"""Slice creation as data (`discover.capacity`: the request body against the REST reference) and the
+"""Slice creation as data (`provision.capacity`: the request body against the REST reference) and the
 rules of `--recreate` (`run.recreate`: when a slice must be made again, when the flag is refused),
 and a plan moved onto a re-created slice's new addresses (`LaunchPlan.on_slices`)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tpulaunch.cluster.record import ClusterInfo, RemoteSpec
-from tpulaunch.discover.capacity import SliceOrder, check_order, queued_resource_body
+from tpulaunch.provision.capacity import SliceOrder, check_order, queued_resource_body
 from tpulaunch.errors import CapacityError, LaunchError
 from tpulaunch.plan.launch import build_plan
 from tpulaunch.plan.mesh import plan_mesh

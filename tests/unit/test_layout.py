@@ -20,8 +20,9 @@ ALLOWED = {
     "discover": {"plan", "gcloud"},
     "cluster": {"plan", "gcloud"},
     "host": {"plan", "discover"},  # discover.metadata: preemption notices
-    "run": {"plan", "discover", "cluster", "host"},
-    "cli": {"plan", "discover", "cluster", "host", "run", "gcloud"},
+    "provision": {"plan", "discover"},  # creates what discover reads, through its Cloud TPU API client
+    "run": {"plan", "discover", "cluster", "host", "provision"},
+    "cli": {"plan", "discover", "cluster", "host", "run", "gcloud", "provision"},
     "ray_train": {"plan", "discover", "cluster", "host"},  # Ray Train's backend: run's twin for trainers
 }
 # Below every stage: typed errors (plan too), and for the stages that do I/O the one reader of

@@ -11,7 +11,7 @@ import pytest
 from fakes import cli_env, flat, invoke
 from fakes.tpu_api_server import FakeTpuApi
 
-from tpulaunch.discover import capacity
+from tpulaunch.provision import capacity
 from tpulaunch.errors import CapacityError, ExitCode
 
 ZONE = "us-central2-b"

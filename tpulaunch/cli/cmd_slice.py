@@ -286,7 +286,7 @@ def list_cmd(
         rows.append(d)
     qrs: list[dict] = []
     if z and z != "-":
-        from tpulaunch.discover import capacity
+        from tpulaunch.provision import capacity
 
         try:
             qrs = [{"name": q.name.rsplit("/", 1)[-1], "state": q.state, "initiator": q.initiator, "error": q.error}
@@ -363,7 +363,7 @@ def create_cmd(
     Examples: `tpulaunch slice create my-v5p --accelerator v5p-64 --spot --wait`,
     `tpulaunch slice create ms --topology 2x2x2 --accelerator v4 --num-slices 2 --zone us-central2-b`.
     """
-    from tpulaunch.discover import capacity
+    from tpulaunch.provision import capacity
 
     out = Output(json_mode=json_out)
     tiers = [t for t, on in (("spot", spot), ("reserved", reserved), ("guaranteed", guaranteed), ("flex-start", flex_start))
@@ -409,7 +409,7 @@ def delete_cmd(
     timeout: Optional[float] = TIMEOUT_OPT,
 ) -> None:
     """Delete a queued resource and its nodes (waits for the deletion to finish)."""
-    from tpulaunch.discover import capacity
+    from tpulaunch.provision import capacity
 
     out = Output(json_mode=json_out)
     p, z, _prov = discover.require_project_zone(project, zone, f"queued resource {name}")

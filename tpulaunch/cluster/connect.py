@@ -114,6 +114,11 @@ def probe(address: str, timeout: float) -> None:
         raise ClusterError(f"cannot reach Ray at {address}: {why}", _HINT) from None
 
 
+def is_auth_error(e: BaseException) -> bool:
+    """Ray's own word that the token was refused (its `AuthenticationError` and kin), read here."""
+    return "Authentication" in type(e).__name__
+
+
 def token_refused(info: ClusterInfo) -> ClusterError:
     """The one line for a cluster that refused our token (or our lack of one)."""
     which = f"the token in {info.token_path}" if info.token_path else "no token (RAY_AUTH_TOKEN_PATH is not set)"

@@ -45,6 +45,12 @@ class JobInfo:
     def terminal(self) -> bool:
         return self.status in TERMINAL
 
+    @property
+    def supervisor_lost(self) -> bool:
+        """The job's driver died with its node (Ray's `JobErrorType.JOB_SUPERVISOR_ACTOR_DIED` and
+        kin): what happened to the run's hosts is not known from here."""
+        return bool(self.error_type) and "SUPERVISOR" in str(self.error_type)
+
 
 def _info(d: dict) -> JobInfo:
     def seconds(ms: object) -> float | None:

@@ -221,7 +221,7 @@ class RemoteSlice:
     def address(self) -> str:
         return f"{self.head_ip}:{self.port}"
 
-    def ssh(self, worker: int, command: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    def ssh(self, worker: int, command: str, stdin: str | None = None) -> gcloud.SshResult:
         s = self.spec
         return gcloud.tpu_vm_ssh(s.name, zone=s.zone or "", project=s.project or "", worker=worker,
                                  command=command, stdin=stdin)
@@ -386,7 +386,7 @@ class RemoteSlice:
             say(w, "stopping")
             proc = self.ssh(w, stop_command(self.python, self.temp_dir, self.cluster_id))
             doc = _marked_json(proc.stdout)
-            if proc.returncode != 0 and "NOT_FOUND" in proc.stderr:  # the VM itself is gone (preempted, deleted)
+            if proc.vm_gone:  # the VM itself is gone (preempted, deleted)
                 results[w] = {"stopped": 0, "left": [], "gone": True}
                 say(w, "the VM is gone: nothing to stop")
             elif proc.returncode != 0 or doc is None:

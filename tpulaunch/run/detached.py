@@ -126,7 +126,7 @@ def job_api(cluster: ClusterInfo) -> JobApi:
 
 def _dashboard_from_gcs(cluster: ClusterInfo) -> str:
     """Ask the cluster's GCS where its dashboard is (the key Ray's own job client reads)."""
-    from tpulaunch.cluster.connect import RaysStderr, probe, token_refused
+    from tpulaunch.cluster.connect import RaysStderr, is_auth_error, probe, token_refused
 
     probe(cluster.address, 5.0)
     for k, v in cluster.ray_env().items():
@@ -138,7 +138,7 @@ def _dashboard_from_gcs(cluster: ClusterInfo) -> str:
             raw = GcsClient(address=cluster.address.removeprefix("ray://")).internal_kv_get(
                 b"webui:url", namespace=b"dashboard", timeout=10)
     except Exception as e:  # noqa: BLE001 - Ray raises many types
-        if said.rejected() or "Authentication" in type(e).__name__:
+        if said.rejected() or is_auth_error(e):
             raise token_refused(cluster) from None
         raise ClusterError(f"could not ask the cluster at {cluster.address} where its dashboard is: {type(e).__name__}",
                            "pass the dashboard as --address http://HOST:PORT, or set RAY_API_SERVER_ADDRESS") from None
@@ -245,7 +245,7 @@ def run_state(job: JobInfo | None, view: RunView | None) -> RunState:
     if job.status == "SUCCEEDED":
         return RunState.SUCCEEDED
     if job.status == "FAILED":
-        if job.error_type and "SUPERVISOR" in job.error_type:
+        if job.supervisor_lost:
             return RunState.LOST  # the supervisor died with its node: the hosts' fate is not known here
         if view is not None and view.state is RunState.STOPPED:
             return RunState.STOPPED

@@ -112,7 +112,7 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
     are suspended together by the service, so they are made again together."""
     from tpulaunch import discover
     from tpulaunch.cluster.remote import RemoteSlice
-    from tpulaunch.discover import capacity
+    from tpulaunch.provision import capacity
     from tpulaunch.errors import NodeNotFoundError
 
     end = time.monotonic() + deadline_s
