@@ -137,9 +137,9 @@ def _native_stderr_to_log(argv: list[str]) -> None:
     if "--debug" in argv or os.environ.get("TPULAUNCH_DEBUG", "") not in ("", "0"):
         return
     try:
-        from tpulaunch.cluster.record import state_dir
+        from tpulaunch.cluster.record import driver_log_path
 
-        log = os.open(state_dir() / "ray-driver.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        log = os.open(driver_log_path(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     except Exception:  # noqa: BLE001 - a bad state dir is reported by the command itself
         return
     sys.stderr.flush()

@@ -318,9 +318,8 @@ def _on_the_head(out: Output, req: run.LaunchRequest, where, show: set[int] | No
 @app.command("supervise", hidden=True)
 def supervise_cmd(request: str = typer.Option(..., "--request", help="Where the run's request is stored (gcs://...).")) -> None:
     """The supervisor of a detached run (what `run --detach` submits as a Ray job on the head)."""
-    from pathlib import Path
-
     from tpulaunch.run import detached, runner
+    from tpulaunch.run.paths import RunPaths
 
     out = Output()
     req = detached.take_request(request)
@@ -329,7 +328,7 @@ def supervise_cmd(request: str = typer.Option(..., "--request", help="Where the 
     def sink_for(prep: run.Prepared) -> detached.StatusFile:
         _notes(out, prep)
         made.append(detached.StatusFile(TerminalSink(out, None, len(prep.plan.hosts)),
-                                        Path(prep.plan.job.log_dir) / "status.json", req.script or " ".join(req.command)))
+                                        RunPaths.of(prep.plan.job.log_dir).status, req.script or " ".join(req.command)))
         return made[0]
 
     summary = runner.supervise(req, sink_for)

@@ -274,14 +274,15 @@ def _cluster_of_run(run: str, address: Optional[str], log_dir: str):  # noqa: AN
 
     from tpulaunch.cluster.connect import resolve_address
     from tpulaunch.cluster.record import load_record
+    from tpulaunch.run.paths import RunPaths
 
     if address is not None:
         from tpulaunch.client import _cluster
 
         return _cluster(address)
     root = Path(log_dir)
-    names = [root / run / "cluster.json"] if run != "last" else sorted(
-        root.glob("*/cluster.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    names = [RunPaths.of(root / run).cluster] if run != "last" else sorted(
+        root.glob("*/" + RunPaths.of(root).cluster.name), key=lambda p: p.stat().st_mtime, reverse=True)
     for p in names:
         if p.is_file():
             info = load_record(p)

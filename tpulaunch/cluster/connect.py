@@ -18,7 +18,7 @@ from typing import Iterator
 
 from tpulaunch import settings
 from tpulaunch.cluster.processes import dir_pids
-from tpulaunch.cluster.record import ClusterInfo, check_token_file, load_record
+from tpulaunch.cluster.record import EMULATED_TOKEN, ClusterInfo, check_token_file, driver_log_path, load_record
 from tpulaunch.errors import ClusterError, TpulaunchError
 
 
@@ -76,7 +76,7 @@ def _local_ray_address() -> ClusterInfo | None:
     candidates = sorted(Path("/tmp").glob("tpl-*/ray_current_cluster")) + [Path("/tmp/ray/ray_current_cluster")]
     # Emulated clusters (they keep their token inside their temp dir) belong to whoever started them.
     live = [p for p in candidates
-            if p.exists() and not (p.parent / "auth_token").exists() and dir_pids(str(p.parent))]
+            if p.exists() and not (p.parent / EMULATED_TOKEN).exists() and dir_pids(str(p.parent))]
     if len(live) != 1:
         return None
     token = Path.home() / ".tpulaunch" / "ray_token"
@@ -188,9 +188,7 @@ class RaysStderr:
         sys.stderr.flush()
         self.saved = os.dup(2)
         if not stat.S_ISREG(os.fstat(self.saved).st_mode):
-            from tpulaunch.cluster.record import state_dir
-
-            self.sink = os.open(state_dir() / "ray-driver.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self.sink = os.open(driver_log_path(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         else:
             self.sink = os.dup(self.saved)
         self.r, w = os.pipe()

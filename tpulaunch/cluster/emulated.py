@@ -29,7 +29,7 @@ from typing import Callable
 from tpulaunch import procfs
 from tpulaunch.cluster import ownership
 from tpulaunch.cluster.ports import free_ports
-from tpulaunch.cluster.record import ClusterInfo, state_dir
+from tpulaunch.cluster.record import ClusterInfo, emulated_token_path, state_dir
 from tpulaunch.errors import ClusterError, LaunchError
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.plan.topology import Topology
@@ -218,7 +218,7 @@ def start_emulated(
     procfs.become_subreaper()
     cluster_id = ownership.new_cluster_id()
     temp_dir = ownership.make_temp_dir(cluster_id, state_dir())
-    token_path = os.path.join(temp_dir, "auth_token")
+    token_path = emulated_token_path(temp_dir)
     fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))

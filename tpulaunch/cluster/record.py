@@ -187,8 +187,21 @@ _TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+# The state directory's files (and an emulated cluster's token), named here only.
+EMULATED_TOKEN = "auth_token"  # inside an emulated cluster's temp dir
+
+
 def record_path() -> Path:
     return state_dir() / "cluster.json"
+
+
+def driver_log_path() -> Path:
+    """Where Ray's own output goes when no run's `ray.log` takes it (`RaysStderr`, the CLI's exit)."""
+    return state_dir() / "ray-driver.log"
+
+
+def emulated_token_path(temp_dir: str) -> str:
+    return os.path.join(temp_dir, EMULATED_TOKEN)
 
 
 def save_record(info: ClusterInfo, path: Path | None = None) -> None:

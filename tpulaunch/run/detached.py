@@ -28,6 +28,7 @@ from pathlib import Path
 from tpulaunch import discover
 from tpulaunch.cluster.jobs import JobApi, JobInfo
 from tpulaunch.cluster.record import ClusterInfo, check_token_file
+from tpulaunch.run.paths import RunPaths
 from tpulaunch.errors import ClusterError, LaunchError
 from tpulaunch.plan.launch import new_run_id
 from tpulaunch.run.prepare import LaunchRequest
@@ -262,14 +263,16 @@ def run_exit_code(job: JobInfo | None, view: RunView | None) -> int | None:
     return job.driver_exit_code
 
 
-def file_path(run_id: str, *parts: str) -> str:
-    return "/".join((RUNS_SUBDIR, run_id, *parts))
+def run_paths(run_id: str) -> RunPaths:
+    """A detached run's files, relative to the head's Ray log directory (what Ray's log API serves)."""
+    return RunPaths.of(f"{RUNS_SUBDIR}/{run_id}")
+
 
 
 def read_view(api: JobApi, job: JobInfo) -> RunView | None:
     if not job.driver_node_id:
         return None
-    text = api.read_file(job.driver_node_id, file_path(job.submission_id, "status.json"))
+    text = api.read_file(job.driver_node_id, str(run_paths(job.submission_id).status))
     if not text:
         return None
     try:
@@ -309,7 +312,7 @@ def wait(api: JobApi, run_id: str, timeout_s: float | None, poll_s: float = 1.0)
         job = api.info(run_id)
         if job is None:
             raise ClusterError(f"the cluster no longer knows run {run_id} (its head restarted?)",
-                               "its logs may still be on the head under " + file_path(run_id))
+                               "its logs may still be on the head under " + str(run_paths(run_id).root))
         if job.terminal:
             return record(api, job)
         if deadline is not None and time.monotonic() >= deadline:
@@ -353,7 +356,7 @@ def follow_host_log(api: JobApi, job: JobInfo, host: int, attempt: int | None, f
     k = attempt if attempt is not None else (view.attempt if view else 0)
     if not job.driver_node_id:
         raise TpulaunchError(f"run {job.submission_id} has not started on the head yet", "try again in a moment")
-    name = file_path(job.submission_id, f"attempt-{k}", f"host-{host}.log")
+    name = str(run_paths(job.submission_id).host_log(k, host))
     seen = 0
     while True:
         text = api.read_file(job.driver_node_id, name)

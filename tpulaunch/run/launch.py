@@ -20,7 +20,7 @@ from tpulaunch.cluster import emulated, reaper
 from tpulaunch.cluster.connect import connect, disconnect, ray_output_to
 from tpulaunch.cluster.ports import free_port
 from tpulaunch.cluster.processes import stop_run_processes
-from tpulaunch.cluster.record import ClusterInfo, load_record, save_record, state_dir
+from tpulaunch.cluster.record import ClusterInfo, driver_log_path, load_record, save_record
 from tpulaunch.errors import LaunchError, TpulaunchError
 from tpulaunch.host.agent import agent_for
 from tpulaunch.plan.launch import LaunchPlan
@@ -86,7 +86,7 @@ class Connection:
             return discover.ClusterSlices(False)  # its slices come from the Cloud TPU API
         from tpulaunch.discover import ray_labels
 
-        with ray_output_to(state_dir() / "ray-driver.log", True):
+        with ray_output_to(driver_log_path(), True):
             self.connect(cluster)
             found = ray_labels.read_slices()
         return discover.ClusterSlices(False, ray_slices=tuple(found))

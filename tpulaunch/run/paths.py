@@ -2,6 +2,7 @@
 
     <log dir>/<run id>/
         summary.json                      what happened (written once, at the end)
+        status.json                       where a detached run is (kept up to date by its supervisor)
         cluster.json                      the cluster it runs on (`tpulaunch stacks` finds it there)
         ray.log                           Ray's own output during the run
         attempt-<k>/host-<i>.log          everything host i printed in attempt k
@@ -29,6 +30,10 @@ class RunPaths:
         return self.root / "summary.json"
 
     @property
+    def status(self) -> Path:
+        return self.root / "status.json"
+
+    @property
     def cluster(self) -> Path:
         return self.root / "cluster.json"
 
@@ -44,3 +49,11 @@ class RunPaths:
 
     def host_stacks(self, k: int, process_index: int) -> Path:
         return self.attempt(k) / f"host-{process_index}.stacks.txt"
+
+    def stacks_dump(self, k: int, when: str) -> Path:
+        """`tpulaunch stacks` while the run goes on: one directory per call."""
+        return self.attempt(k) / f"stacks-{when}"
+
+    @staticmethod
+    def stacks_file(dump_dir: Path, process_index: int) -> Path:
+        return dump_dir / f"host-{process_index}.txt"

@@ -39,7 +39,7 @@ class Stacks:
     def to_dict(self) -> dict:
         return {"schema": "tpulaunch.stacks/v1", "run_id": self.run_id, "attempt": self.attempt, "where": self.where,
                 "dir": self.dir, "hosts": sorted(self.dumps), "missing": self.missing,
-                "files": {str(i): str(Path(self.dir) / f"host-{i}.txt") for i in sorted(self.dumps)}}
+                "files": {str(i): str(RunPaths.stacks_file(Path(self.dir), i)) for i in sorted(self.dumps)}}
 
 
 def serving_agents() -> list[tuple[object, AgentInfo]]:
@@ -104,9 +104,9 @@ def take(run: str, fallback_log_dir: str = "runs") -> Stacks:
     log_dir = Path(mine[0][1].run.log_dir)
     if not log_dir.is_dir():  # the run's directory is on another machine
         log_dir = Path(fallback_log_dir) / run_id
-    out = RunPaths.of(log_dir).attempt(attempt) / ("stacks-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    out = RunPaths.of(log_dir).stacks_dump(attempt, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     out.mkdir(parents=True, exist_ok=True)
     for p, text in dumps.items():
-        (out / f"host-{p}.txt").write_text(text)
+        RunPaths.stacks_file(out, p).write_text(text)
     missing = sorted(set(range(mine[0][1].run.hosts)) - set(dumps))
     return Stacks(run_id, attempt, dumps, where_hosts_are(dumps), str(out), missing)
