@@ -41,11 +41,12 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Sequence
 
 from tpulaunch.plan.topology import Coord, Topology
+
+if TYPE_CHECKING:
+    import numpy as np  # imported where a layout is computed: a host that only unpickles its plan needs none
 
 PLACEMENTS = ("auto", "ici", "host")
 _EPS = 1e-9
@@ -76,6 +77,8 @@ class Torus:
 
     def hops(self, delta: np.ndarray) -> np.ndarray:
         """ICI hops of coordinate differences `delta[..., 4]` (the core difference costs nothing)."""
+        import numpy as np
+
         d = np.abs(delta[..., :3])
         n = np.array(self.dims[:3])
         d = np.where(np.array(self.wrap[:3]), np.minimum(d, n - d), d)
@@ -84,6 +87,8 @@ class Torus:
 
 def coords_of_ids(t: Topology, ids: np.ndarray) -> np.ndarray:
     """`(x, y, z, core)` of plan device ids (slice-local), as an array with a last axis of 4."""
+    import numpy as np
+
     dpc = t.generation.devices_per_chip
     bx, by, bz = t.chips_per_host_bounds
     hx, hy, _ = t.host_bounds
@@ -115,6 +120,8 @@ def ring_hops(t: Topology, grid: np.ndarray) -> list[float | None]:
     None for an axis of size 1 (it has no ring). This is the score `mesh inspect` prints and the
     tests compare with JAX's `mesh_utils`.
     """
+    import numpy as np
+
     torus = Torus.of(t)
     coords = coords_of_ids(t, np.asarray(grid))
     out: list[float | None] = []
@@ -140,6 +147,8 @@ def snake(bounds: Sequence[int]) -> list[tuple[int, ...]]:
 
 def _snake_array(sizes: Sequence[int]) -> np.ndarray:
     """`snake(sizes)` as an array `(prod(sizes), len(sizes))` (first coordinate fastest)."""
+    import numpy as np
+
     pts = np.arange(sizes[0], dtype=np.int64)[:, None]
     for n in sizes[1:]:
         blocks = [np.column_stack([pts if j % 2 == 0 else pts[::-1], np.full(len(pts), j)]) for j in range(n)]
@@ -153,6 +162,8 @@ def _cycle(first: int, rest: np.ndarray) -> np.ndarray:
     Row 0 runs the whole path out; the other rows snake back over all but its first point; the
     first point's column brings the walk home.
     """
+    import numpy as np
+
     cols = len(rest)
     rows = [np.zeros(cols, dtype=np.int64)]
     cs = [np.arange(cols)]
@@ -167,6 +178,8 @@ def _cycle(first: int, rest: np.ndarray) -> np.ndarray:
 
 def _walks(sizes: tuple[int, ...]) -> list[np.ndarray]:
     """Candidate orders of one axis over its factors: arrays `(prod(sizes), len(sizes))`."""
+    import numpy as np
+
     m = len(sizes)
     if m == 1:
         return [np.arange(sizes[0])[:, None]]
@@ -193,6 +206,8 @@ Factor = tuple[int, int, int]  # (physical dim, stride, size)
 @lru_cache(maxsize=4096)
 def _best_walk(torus: Torus, factors: tuple[Factor, ...]) -> tuple[float, np.ndarray]:
     """The cheapest walk of one axis over its factors: (hops per ring step, offsets `(n, 4)`)."""
+    import numpy as np
+
     best: tuple[float, np.ndarray] | None = None
     strides = np.zeros((len(factors), 4), dtype=np.int64)
     for f, (dim, stride, _) in enumerate(factors):
@@ -313,6 +328,8 @@ def _inner_room(torus: Torus, chosen: dict[int, tuple[int, ...]]) -> tuple[int, 
 
 
 def _assemble(t: Topology, shape: tuple[int, ...], parts: list) -> np.ndarray:
+    import numpy as np
+
     coords = np.zeros(shape + (4,), dtype=np.int64)
     for j, offsets in parts:
         view = [1] * len(shape) + [4]
@@ -337,6 +354,8 @@ def host_walk(t: Topology) -> list[int]:
 
 def keeps_host_rows(t: Topology, ids: np.ndarray) -> bool:
     """Does every row of the first axis (all other indices varying) lie on one host?"""
+    import numpy as np
+
     if ids.ndim == 0 or ids.shape[0] == 1:
         return False
     hosts = np.asarray(ids) // t.devices_per_host
@@ -353,6 +372,8 @@ def host_rows_possible(t: Topology, shape: Sequence[int]) -> bool:
 @lru_cache(maxsize=256)
 def layout(t: Topology, shape: tuple[int, ...], placement: str = "auto") -> Layout:
     """The device ids (slice-local, with the ICI mesh's `shape`) for a placement; see the docstring."""
+    import numpy as np
+
     walk = np.array(host_walk(t), dtype=np.int64).reshape(shape)
     old = Layout(walk, tuple(ring_hops(t, walk)), keeps_host_rows(t, walk))
     if placement == "host":
