@@ -18,6 +18,7 @@ import pytest
 
 from support import run_cli, write_scripts
 from tpulaunch.cluster.jobs import JobApi
+from tpulaunch.cluster.emulated import ray_temp_dir
 from tpulaunch.run import detached
 
 SCRIPTS = {
@@ -105,7 +106,7 @@ def test_a_detached_runs_env_values_reach_its_hosts_and_nothing_else(shared_clus
     wait = run_cli("wait", run_id, env=shared_cluster["env"], timeout=200)
     assert wait.returncode == 0, wait.stderr
     temp = Path(shared_cluster["info"]["token_path"]).parent  # the head is this machine: the run's files
-    status_file = temp / "session_latest" / "logs" / detached.RUNS_SUBDIR / run_id / "status.json"
+    status_file = Path(ray_temp_dir(str(temp))) / "session_latest" / "logs" / detached.RUNS_SUBDIR / run_id / "status.json"
     seen["status.json"] = status_file.read_text()
     seen["summary.json"] = (status_file.parent / "summary.json").read_text()
     for where, text in seen.items():

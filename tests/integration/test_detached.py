@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from support import cli_env, run_cli, write_scripts
+from tpulaunch.cluster.emulated import ray_temp_dir
 from tpulaunch.errors import ExitCode
 
 SCRIPTS = {
@@ -59,7 +60,7 @@ def cli(shared_cluster, *args, env=None, **kw):
 def _run_dir(shared_cluster, run_id: str) -> Path:
     """On an emulated cluster the head is this machine: the run's files, where Ray's log API serves them."""
     temp = Path(shared_cluster["info"]["token_path"]).parent
-    return temp / "session_latest" / "logs" / "tpulaunch" / "runs" / run_id
+    return Path(ray_temp_dir(str(temp))) / "session_latest" / "logs" / "tpulaunch" / "runs" / run_id
 
 
 def _until(cond, timeout: float = 120, every: float = 0.5):

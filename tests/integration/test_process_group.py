@@ -1,5 +1,6 @@
 """A cold `tpulaunch run` (its own emulated cluster) returns only once every process it started has
-exited: a CI step that kills the step's process group right after sees nothing of it."""
+exited: a CI step that kills the step's process group right after sees nothing of it. Its script
+closes its stdout before a clean exit: the host's exit code is still the script's, 0."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from support import cli_env, write_scripts
 
 @pytest.mark.lifecycle
 def test_a_cold_run_leaves_nothing_in_its_process_group(tmp_path):
-    work = write_scripts(tmp_path, {"hi.py": "print('hi', flush=True)\n"})
+    work = write_scripts(tmp_path, {"hi.py": "import sys\nprint('hi', flush=True)\nsys.stdout.close()\n"})
     proc = subprocess.Popen([sys.executable, "-m", "tpulaunch", "run", "hi.py", "--topology", "2x2", "--framework", "none",
                              "--log-dir", str(tmp_path / "runs")], cwd=work, env=cli_env(), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -439,3 +439,18 @@ def test_to_dict_schema():
     assert d["host_list"][2]["chips"] == [[0, 0, 2], [1, 0, 2], [0, 1, 2], [1, 1, 2]]
     assert "host_list" not in T.resolve("v4-32").to_dict(with_hosts=False)
     assert math.prod(T.resolve("v4-32").shape) == d["chips"]
+
+
+def test_a_slices_workers_settle_how_many_vms_a_2x4_is():
+    """`cluster up --topology 2x4 --chips-per-host 4` records two workers: the record's slice is the
+    two-VM form, so `run --address auto` (no --chips-per-host) plans the slice the cluster holds."""
+    from tpulaunch.plan.slicespec import SliceSpec
+
+    for gen in ("v6e", "v5e"):
+        two = T.resolve(topology="2x4", accelerator=gen, chips_per_host=4)
+        one = T.resolve(topology="2x4", accelerator=gen)
+        assert (two.num_hosts, one.num_hosts) == (2, 1)
+        assert SliceSpec.emulated_from(two, "s").to_topology() == two
+        assert SliceSpec.emulated_from(one, "s").to_topology() == one
+    big = T.resolve("v4-32")
+    assert SliceSpec.emulated_from(big, "s").to_topology() == big  # where the shape decides, the workers agree

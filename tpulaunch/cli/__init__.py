@@ -125,6 +125,7 @@ def invoke(argv: list[str]) -> int:
 
 def main() -> None:
     """Console-script entry point."""
+    os.umask(0o077)  # what tpulaunch and the processes it starts write is this user's alone
     _native_stderr_to_log(sys.argv[1:])
     _leave(invoke(sys.argv[1:]))
 

@@ -185,8 +185,12 @@ def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
     bad = {w: (r.get("error") or f"{len(r['left'])} process(es) left") for w, r in results.items()
            if r.get("error") or r.get("left")}
     if bad:
-        raise ClusterError("could not stop Ray on " + "; ".join(f"worker {w}: {m}" for w, m in sorted(bad.items())),
-                           "run `tpulaunch cluster down` again")
+        head = results.get("head")
+        here = (" (the head here is stopped)" if head is not None and not head.get("error") and not head.get("left")
+                else "")
+        raise ClusterError("could not stop Ray on " + "; ".join(f"worker {w}: {m}" for w, m in sorted(bad.items()))
+                           + here, "fix what that says (gcloud login, config) and run `tpulaunch cluster down` again:"
+                           " the record is kept for it")
     clear_record()
     if rec.token_path:
         Path(rec.token_path).unlink(missing_ok=True)

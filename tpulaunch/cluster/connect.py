@@ -76,7 +76,8 @@ def _local_ray_address() -> ClusterInfo | None:
     candidates = sorted(Path("/tmp").glob("tpl-*/ray_current_cluster")) + [Path("/tmp/ray/ray_current_cluster")]
     # Emulated clusters (they keep their token inside their temp dir) belong to whoever started them.
     live = [p for p in candidates
-            if p.exists() and not (p.parent / EMULATED_TOKEN).exists() and dir_pids(str(p.parent))]
+            if p.exists() and p.stat().st_uid == os.getuid()  # another user's Ray is not ours to pick
+            and not (p.parent / EMULATED_TOKEN).exists() and dir_pids(str(p.parent))]
     if len(live) != 1:
         return None
     token = Path.home() / ".tpulaunch" / "ray_token"

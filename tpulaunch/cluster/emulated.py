@@ -144,7 +144,7 @@ def node_spec(
     Stopping by the cluster's directory still finds them all.
     """
     assert info.temp_dir is not None
-    temp_dir = info.temp_dir if head else os.path.join(info.temp_dir, f"s{spec.slice_index}w{worker}")
+    temp_dir = ray_temp_dir(info.temp_dir) if head else os.path.join(info.temp_dir, f"s{spec.slice_index}w{worker}")
     os.makedirs(temp_dir, exist_ok=True)
     return {
         "head": head, "address": None if head else (info.address or None), "temp_dir": temp_dir,
@@ -197,6 +197,19 @@ def check_capacity(hosts: int) -> None:
         raise LaunchError(f"emulating {hosts} hosts needs {hosts} Ray nodes on this machine, which holds about {limit}"
                           f" ({NODE_MEMORY_BYTES // 2**20} MiB each)",
                           "emulate fewer or smaller slices (--num-slices, --topology), or run on a real cluster (--address)")
+
+
+RAY_SUBDIR = "ray"
+
+
+def ray_temp_dir(cluster_dir: str) -> str:
+    """The head node's Ray temp dir, inside the cluster's own (0700, marked) directory.
+
+    Not the cluster's directory itself: every Ray process that connects makes its temp dir and
+    session dirs 0777 (`ray._common.utils.try_make_directory_shared`, from `Node._init_temp`, for
+    a /tmp/ray shared between users). Below a 0700 directory Ray never touches, nothing of the
+    cluster is reachable by another user whatever Ray does to its own."""
+    return os.path.join(cluster_dir, RAY_SUBDIR)
 
 
 def start_emulated(

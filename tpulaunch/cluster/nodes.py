@@ -96,10 +96,28 @@ def start_node(node: dict) -> str:
     return address
 
 
+def _private_dirs() -> None:
+    """What the nodes create is this user's alone: files 0600 and directories 0700 (umask), and
+    Ray's `try_to_create_directory`, which makes every directory it creates 0777 "so others can use
+    it" (ray/_common/utils.py, for a shared /tmp/ray), keeps them 0700. Every Ray process of the
+    node inherits the umask."""
+    os.umask(0o077)
+    import ray._common.utils as ray_utils
+
+    def keep_private(directory_path: str) -> None:
+        try:
+            os.chmod(directory_path, 0o700)
+        except OSError:
+            pass  # not ours to change: Ray tolerates the same
+
+    ray_utils.try_make_directory_shared = keep_private
+
+
 def main() -> int:
     batch = json.loads(sys.stdin.readline())
     import ray._private.node  # noqa: F401 - while the head comes up, for a helper of joining nodes
 
+    _private_dirs()
     _patient_get_node()
     address = None
     for node in batch["nodes"]:

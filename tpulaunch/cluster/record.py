@@ -222,12 +222,11 @@ def load_record(path: Path | None = None) -> ClusterInfo | None:
         return None
     if p.is_dir():
         raise StateError(f"cluster record {p} is a directory, not a file", f"remove it (rm -r {p}); {_FORCE_HINT}")
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise StateError(f"cluster record {p} cannot be read: {e.strerror}", _FORCE_HINT) from None
+    text = read_state_file(p, "cluster record")
     try:
         doc = json.loads(text)
+    except RecursionError:
+        raise StateError(f"cluster record {p} is corrupt (nested too deep)", _FORCE_HINT) from None
     except ValueError as e:
         where = f"line {e.lineno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
         raise StateError(f"cluster record {p} is corrupt ({where})", _FORCE_HINT) from None
@@ -260,6 +259,30 @@ def load_record(path: Path | None = None) -> ClusterInfo | None:
     return ClusterInfo(**fields_)
 
 
+MAX_STATE_FILE = 1 << 20  # a record, a status file: a few KiB; anything past 1 MiB is not one
+
+
+def read_state_file(p: Path, what: str) -> str:
+    """A state file's text: only a regular file (never through a symlink, never a FIFO that would
+    hang the read) of at most 1 MiB, in UTF-8; anything else is one line (StateError, exit 6)."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        why = "a symbolic link (not followed)" if p.is_symlink() else e.strerror
+        raise StateError(f"{what} {p} cannot be read: {why}", _FORCE_HINT) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise StateError(f"{what} {p} is not a regular file", f"remove it; {_FORCE_HINT}")
+        data = f.read(MAX_STATE_FILE + 1)
+    if len(data) > MAX_STATE_FILE:
+        raise StateError(f"{what} {p} is larger than {MAX_STATE_FILE} bytes: not one tpulaunch wrote", _FORCE_HINT)
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise StateError(f"{what} {p} is not UTF-8 text (corrupt)", _FORCE_HINT) from None
+
+
 def clear_record() -> None:
     p = record_path()
     if p.is_dir() and not p.is_symlink():
@@ -272,9 +295,12 @@ def check_token_file(path: str, source: str = "token file") -> str:
     holding one token. StateError otherwise (as ssh refuses a private key others can read)."""
     p = Path(path)
     try:
-        st = p.stat()
+        st = p.lstat()
     except OSError as e:
         raise StateError(f"{source} {p} cannot be read: {e.strerror}", "is the cluster up? (`tpulaunch cluster status`)") from None
+    if stat.S_ISLNK(st.st_mode):  # its target's content would be sent as the token to whatever the record names
+        raise StateError(f"{source} {p} is a symbolic link: a token is never read through one",
+                         "bring the cluster up again (its token is a file of its own)")
     if not stat.S_ISREG(st.st_mode):
         raise StateError(f"{source} {p} is not a file", "point RAY_AUTH_TOKEN_PATH (or the record) at the cluster's token")
     if st.st_mode & 0o077:

@@ -384,7 +384,12 @@ class RemoteSlice:
 
         def stop(w: int) -> None:
             say(w, "stopping")
-            proc = self.ssh(w, stop_command(self.python, self.temp_dir, self.cluster_id))
+            try:
+                proc = self.ssh(w, stop_command(self.python, self.temp_dir, self.cluster_id))
+            except ClusterError as e:  # gcloud cannot run (a broken install or login) or timed out: the others go on
+                results[w] = {"error": e.message}
+                say(w, "FAILED")
+                return
             doc = _marked_json(proc.stdout)
             if proc.vm_gone:  # the VM itself is gone (preempted, deleted)
                 results[w] = {"stopped": 0, "left": [], "gone": True}

@@ -21,6 +21,7 @@ discovered slice are checked against it, never silently applied.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from tpulaunch.errors import LaunchError, MeshError
@@ -100,8 +101,16 @@ def resolve(req: SliceRequest, cluster: ClusterSlices | None = None) -> Resolved
     return emulated_slices(topo, wanted, req.name)
 
 
+# A slice name as Cloud TPU takes one (a node id): lower-case letters, digits and dashes, a letter first.
+_SLICE_NAME = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
 def emulated_slices(topology: Topology, num_slices: int, name: str = "emulated") -> ResolvedSlices:
     """`num_slices` copies of `topology` emulated on this machine (source `flags`)."""
+    if not _SLICE_NAME.fullmatch(name):
+        raise LaunchError(f"--name {name[:40]!r}" + (f" ({len(name)} characters)" if len(name) > 40 else "")
+                          + " is not a slice name", "use lower-case letters, digits and dashes, a letter first"
+                          " (at most 63), as Cloud TPU names nodes")
     specs = tuple(
         SliceSpec.emulated_from(topology, name if num_slices == 1 else f"{name}-{i}", slice_index=i)
         for i in range(num_slices)

@@ -126,13 +126,22 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         code = 1
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush()
         if code == 0:
             # A clean leave can be a barrier with the other hosts (jax.distributed.shutdown);
             # a failed host must leave at once so the launch fails fast.
             fw.shutdown()
     return code
+
+
+def _flush() -> None:
+    """Flush what the script left open: a script may close its stdout (or have it closed under it)
+    and still end well; its exit code is its own, never a flush's complaint."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (ValueError, OSError):  # closed, or the reader gone
+            pass
 
 
 def wait_as_spare(framework: str) -> list[str] | None:
@@ -163,6 +172,5 @@ if __name__ == "__main__":
             os._exit(0)
     # os._exit: skip interpreter teardown, where PJRT/gloo threads can hang after a clean run.
     rc = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush()
     os._exit(rc)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from tpulaunch.errors import TopologyError
 
 Coord = tuple[int, int, int]
-SHAPE_RE = re.compile(r"^\d+(x\d+){1,2}$")
-TYPE_RE = re.compile(r"^([a-z0-9]+?)-(\d+)$")
+SHAPE_RE = re.compile(r"^\d{1,5}(x\d{1,5}){1,2}$")  # bounded: a 10,000-digit dimension is not a topology
+TYPE_RE = re.compile(r"^([a-z0-9]{1,20}?)-(\d{1,6})$")
 CUBE = 4  # the edge of the 4x4x4 cube larger 3D slices are built from
 SUB_CUBE_SHAPES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
 
@@ -156,6 +156,6 @@ def generation(name: str) -> Generation:
     if key in _ALIASES:
         return GENERATIONS[_ALIASES[key]]
     raise TopologyError(
-        f"unknown TPU generation '{name}'",
+        f"unknown TPU generation {name[:40]!r}" + (f" ({len(name)} characters)" if len(name) > 40 else ""),
         f"choose one of {', '.join(GENERATIONS)}",
     )

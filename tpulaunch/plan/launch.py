@@ -34,7 +34,7 @@ from tpulaunch.plan.mesh import MeshPlan
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.plan.topology import Topology
 
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")  # fullmatch: no newline may trail a name
 
 
 def default_compile_cache(framework: str, topology: Topology, num_slices: int, emulated: bool) -> str | None:
@@ -83,7 +83,7 @@ def resolve_env(items: list[str] | tuple[str, ...] | None, files: list[str] | tu
                 continue
             key, sep, value = line.removeprefix("export ").strip().partition("=")
             key, value = key.strip(), value.strip()
-            if not sep or not _ENV_KEY.match(key):
+            if not sep or not _ENV_KEY.fullmatch(key):
                 raise LaunchError(f"--env-file {path} line {n} is not KEY=VALUE", "write lines as NAME=value")
             if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
                 value = value[1:-1]
@@ -91,8 +91,8 @@ def resolve_env(items: list[str] | tuple[str, ...] | None, files: list[str] | tu
     for item in items or ():
         key, sep, _ = item.partition("=")
         if not sep:
-            if not _ENV_KEY.match(key):
-                raise LaunchError(f"--env '{item[:80]}' is not KEY=VALUE or NAME", "write it as --env NAME=value or --env NAME")
+            if not _ENV_KEY.fullmatch(key):
+                raise LaunchError(f"--env {item[:80]!r} is not KEY=VALUE or NAME", "write it as --env NAME=value or --env NAME")
             if key not in environ:
                 raise LaunchError(f"--env {key} takes its value from this environment, where {key} is not set",
                                   f"export {key}=... first, or write --env {key}=value")
@@ -106,8 +106,8 @@ def parse_env(items: list[str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
-        if not sep or not _ENV_KEY.match(key):
-            raise LaunchError(f"--env '{item}' is not KEY=VALUE", "write it as --env NAME=value")
+        if not sep or not _ENV_KEY.fullmatch(key):
+            raise LaunchError(f"--env {item[:80]!r} is not KEY=VALUE", "write it as --env NAME=value")
         out[key] = value
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from tpulaunch.errors import TopologyError
 from tpulaunch.plan import topology as topo_mod
 from tpulaunch.plan.topology import Topology
 
@@ -53,12 +54,20 @@ class SliceSpec:
     provenance: dict[str, str] = field(default_factory=dict)  # e.g. {"project": "GOOGLE_CLOUD_PROJECT"}
 
     def to_topology(self, chips_per_host: int | None = None) -> Topology:
-        """The catalog Topology for this slice (raises TopologyError for unknown shapes)."""
-        return topo_mod.resolve(
-            topology=self.topology or None,
-            accelerator=self.accelerator_type,
-            chips_per_host=chips_per_host,
-        )
+        """The catalog Topology for this slice (raises TopologyError for unknown shapes).
+
+        Where the shape alone leaves the hosts open (a v5e/v6e 2x4 is one VM through the Cloud TPU
+        API, two on GKE or with `--chips-per-host 4`), the slice's own workers settle it."""
+        topo = topo_mod.resolve(topology=self.topology or None, accelerator=self.accelerator_type,
+                                chips_per_host=chips_per_host)
+        n = len(self.workers)
+        if chips_per_host is None and n and topo.num_hosts != n and topo.chips % n == 0:
+            try:
+                return topo_mod.resolve(topology=self.topology or None, accelerator=self.accelerator_type,
+                                        chips_per_host=topo.chips // n)
+            except TopologyError:
+                pass  # no such form: the caller's check names the mismatch
+        return topo
 
     @property
     def worker_ips(self) -> tuple[str, ...]:

@@ -180,12 +180,17 @@ class Topology:
 # -- parsing ------------------------------------------------------------------------------------
 
 
+def _short(text: str, n: int = 40) -> str:
+    """What a user typed, cut for an error line."""
+    return text if len(text) <= n else text[:n] + f"... ({len(text)} characters)"
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     """`"2x2x4"` -> `(2, 2, 4)`; anything else is a TopologyError."""
     t = text.strip().lower()
-    if not SHAPE_RE.match(t):
+    if not SHAPE_RE.fullmatch(t):
         raise TopologyError(
-            f"'{text}' is not a topology",
+            f"'{_short(text)}' is not a topology",
             "write it as XxY (2D: v2, v3, v5e, v6e) or XxYxZ (3D: v4, v5p, v7x), e.g. 2x8 or 2x2x4",
         )
     dims = tuple(int(d) for d in t.split("x"))
@@ -251,10 +256,10 @@ def make_topology(
 def parse_accelerator_type(text: str, chips_per_host: int | None = None) -> Topology:
     """`v4-32`, `v5litepod-16`, `v6e-8`, `tpu7x-16` -> Topology (the canonical shape for that size)."""
     t = text.strip().lower()
-    m = TYPE_RE.match(t)
+    m = TYPE_RE.fullmatch(t)
     if not m:
         raise TopologyError(
-            f"'{text}' is not an accelerator type",
+            f"'{_short(text)}' is not an accelerator type",
             "write it as <generation>-<N>, e.g. v4-32, v5litepod-16, v6e-8, tpu7x-16",
         )
     gen = generation(m.group(1))

@@ -276,8 +276,9 @@ def read_view(api: JobApi, job: JobInfo) -> RunView | None:
     if not text:
         return None
     try:
-        return RunView.from_dict(json.loads(text))
-    except (ValueError, KeyError, TypeError):
+        doc = json.loads(text)
+        return RunView.from_dict(doc) if isinstance(doc, dict) else None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None  # being written (never half: it is replaced whole), or from another version
 
 

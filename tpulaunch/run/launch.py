@@ -11,6 +11,7 @@ seconds.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -109,7 +110,17 @@ def launch(prep: Prepared, sink: Sink, connection: Connection | None = None, *, 
     if req.recreate:  # refused before anything starts: no head to survive the slice, nothing to re-create
         recreate.check(prep.cluster, plan.emulated, req.max_preemptions)
     paths = RunPaths.of(plan.job.log_dir)
-    paths.root.mkdir(parents=True, exist_ok=True)
+    umask = os.umask(0o077)  # a run's files (host logs can hold secrets) are this user's alone
+    try:
+        paths.root.mkdir(parents=True, exist_ok=True)
+        return _launch(prep, sink, connection, paths, dashboard=dashboard, quiet_ray=quiet_ray, debug=debug)
+    finally:
+        os.umask(umask)
+
+
+def _launch(prep: Prepared, sink: Sink, connection: Connection | None, paths: RunPaths, *, dashboard: bool,
+            quiet_ray: bool, debug: bool) -> RunSummary:
+    plan, req = prep.plan, prep.request
     conn = connection or Connection(Target(prep.cluster), prep.runtime_env)
     t0 = time.monotonic()
     limits = Limits(

@@ -259,6 +259,10 @@ def _warm_cluster_for(req: LaunchRequest) -> ClusterInfo | None:
     return rec
 
 
+MAX_COUNT = 1_000_000  # restarts, preemptions
+MAX_PATH = 4096  # PATH_MAX
+
+
 def validate(req: LaunchRequest) -> None:
     """Values Typer parses but cannot judge, checked before anything else happens (exit 2)."""
     positive = [("--schedule-timeout", req.schedule_timeout, "seconds"), ("--max-upload-mb", req.max_upload_mb, "MiB"),
@@ -267,10 +271,17 @@ def validate(req: LaunchRequest) -> None:
     for flag, value, unit in positive:
         if value is not None and (not math.isfinite(value) or not value > 0):
             raise LaunchError(f"{flag} {value:g} is not a positive number", f"give it in {unit}, above 0")
-    for flag, value in (("--max-restarts", req.max_restarts), ("--max-preemptions", req.max_preemptions),
-                        ("--preemption-wait", req.preemption_wait), ("--preemption-grace", req.preemption_grace)):
+    for flag, count in (("--max-restarts", req.max_restarts), ("--max-preemptions", req.max_preemptions)):
+        if not 0 <= count <= MAX_COUNT:  # compared as ints: a 400-digit count is one line, not an overflow
+            raise LaunchError(f"--{flag.lstrip('-')} {str(count)[:20]}{'...' if len(str(count)) > 20 else ''} is not"
+                              f" a count from 0 to {MAX_COUNT}", "use 0 or more")
+    for flag, value in (("--preemption-wait", req.preemption_wait), ("--preemption-grace", req.preemption_grace)):
         if not math.isfinite(value) or value < 0:
             raise LaunchError(f"{flag} {value:g} is not a number of 0 or more", "use 0 or more")
+    for flag, text in (("SCRIPT", req.script), ("--log-dir", req.log_dir), ("--workdir", req.workdir),
+                       ("--compile-cache", req.compile_cache or "")):
+        if len(text) > MAX_PATH:
+            raise LaunchError(f"{flag} is {len(text)} characters long", f"a path has at most {MAX_PATH}")
     if not math.isfinite(req.straggler_ratio) or not 0 <= req.straggler_ratio < 1:
         raise LaunchError(f"--straggler-ratio {req.straggler_ratio:g} is not a fraction below 1",
                           "e.g. 0.7 (a host below 0.7x the median step rate is named); 0 turns it off")
