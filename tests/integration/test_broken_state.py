@@ -86,6 +86,18 @@ def test_a_corrupt_record_does_not_orphan_its_cluster_and_a_wrong_token_says_so(
         line = _one_error_line(proc)
         assert f"refused the token in {wrong}: it is not this cluster's token" in line
 
+        # a copy of the record in another home stops nothing: one line, exit 6
+        copy_home = tmp_path / "copy-home"
+        copy_home.mkdir(mode=0o700)
+        (copy_home / "cluster.json").write_text((home / "cluster.json").read_text())
+        copied = run_cli("cluster", "down", env=cli_env(TPULAUNCH_HOME=str(copy_home)))
+        assert copied.returncode == ExitCode.STATE, copied.stderr
+        assert "is a copy: cluster" in _one_error_line(copied) and f"TPULAUNCH_HOME={home.resolve()}" in copied.stderr
+        assert ownership.cluster_pids(cid), "a copied record stopped the cluster"
+        # the user's own `tail -f` of a Ray log of the cluster is not the cluster's
+        raylet_out = next(Path(temp_dir).glob("ray/session_latest/logs/raylet.out"))
+        tail = subprocess.Popen(["tail", "-f", str(raylet_out)], stdout=subprocess.DEVNULL)
+
         # cut the record in half: every command says it is unreadable, none says "no cluster is up"
         (home / "cluster.json").write_text((home / "cluster.json").read_text()[:60])
         for args in (["cluster", "status"], ["cluster", "env"], ["cluster", "down"],
@@ -104,6 +116,9 @@ def test_a_corrupt_record_does_not_orphan_its_cluster_and_a_wrong_token_says_so(
         assert not ownership.cluster_pids(cid) and not Path(temp_dir).exists()
         assert not (home / "cluster.json").exists()
         assert ownership.cluster_pids(shared_id), "--force stopped another TPULAUNCH_HOME's cluster"
+        assert tail.poll() is None, "stopping the cluster killed a process that only had its log open"
+        tail.kill()
+        tail.wait()
     finally:
         run_cli("cluster", "down", "--force", env=env)
     assert not processes_mentioning([f"{ownership.ID_ENV}={cid}", temp_dir])

@@ -27,14 +27,16 @@ def test_the_stop_program_ends_the_clusters_processes_only_and_removes_its_marke
     d = tmp_path / "ray-tmp"
     d.mkdir()
     (d / ownership.MARKER).write_text(json.dumps({"cluster_id": "cid-1"}))
-    ours = subprocess.Popen(["sleep", "60"], env={**os.environ, ownership.ID_ENV: "cid-1"})
+    # ours, and below it a process whose environment shows nothing (as a Ray agent that renamed itself)
+    ours = subprocess.Popen(["bash", "-c", "env -i sleep 60 & wait"], env={**os.environ, ownership.ID_ENV: "cid-1"})
     other = subprocess.Popen(["sleep", "60"], env={**os.environ, ownership.ID_ENV: "cid-2"})
-    holder = subprocess.Popen(["sleep", "60"], stdout=open(d / "out.log", "w"))  # holds a file inside the marked dir
+    holder = subprocess.Popen(["sleep", "60"], stdout=open(d / "out.log", "w"))  # a user's `tail -f` of a log inside
+    time.sleep(0.3)
     try:
         doc = _answer(remote.stop_command(sys.executable, str(d), "cid-1"))
         assert doc == {"stopped": 2, "left": [], "removed": True}
-        assert ours.wait(5) is not None and holder.wait(5) is not None
-        assert other.poll() is None  # another cluster's process is not ours
+        assert ours.wait(5) is not None
+        assert other.poll() is None and holder.poll() is None  # not the cluster's: left alone
         assert not d.exists()
     finally:
         for p in (ours, other, holder):

@@ -169,6 +169,13 @@ def status_doc_remote(info: ClusterInfo) -> dict:
     }
 
 
+def _our_token_file(path: str) -> bool:
+    """A token file `cluster up --tpu` made (`remote.token_file`): in the state dir, named so, not a
+    link. A record naming any other file never gets it deleted."""
+    p = Path(path)
+    return (p.parent.resolve() == state_dir().resolve() and p.name.startswith("ray_token-") and not p.is_symlink())
+
+
 def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
     from tpulaunch.cluster.remote import recorded_slices
 
@@ -192,7 +199,7 @@ def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
                            + here, "fix what that says (gcloud login, config) and run `tpulaunch cluster down` again:"
                            " the record is kept for it")
     clear_record()
-    if rec.token_path:
+    if rec.token_path and _our_token_file(rec.token_path):
         Path(rec.token_path).unlink(missing_ok=True)
     stopped = sum(r.get("stopped", 0) for r in results.values())
     if json_out:

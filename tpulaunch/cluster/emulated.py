@@ -279,7 +279,7 @@ def stop_cluster(info: ClusterInfo, grace_s: float = 1.0, record: str = "(in mem
     Only after `ownership.check_temp_dir` proved the dir is the one this cluster marked (StateError
     otherwise: nothing is touched). A short grace: nothing of an emulated cluster needs a graceful
     exit, and Ray's processes that ignore SIGTERM for seconds would only hold the launcher up."""
-    temp_dir = ownership.check_temp_dir(info.temp_dir, info.cluster_id, record)
+    temp_dir = ownership.check_temp_dir(info.temp_dir, info.cluster_id, record, state_dir())
     assert info.cluster_id
     return stop_owned(info.cluster_id, temp_dir, grace_s)
 

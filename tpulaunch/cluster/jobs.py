@@ -22,7 +22,8 @@ from typing import Iterator
 
 from tpulaunch.errors import ClusterError
 
-TIMEOUT_S = 15.0
+TIMEOUT_S = 15.0  # one request, whole (a head that answers a byte a second is cut off too)
+MAX_ANSWER = 64 << 20  # what one answer may hold (a run's whole log included)
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
@@ -53,27 +54,38 @@ class JobInfo:
 
 
 def _info(d: dict) -> JobInfo:
+    """A job as the API describes it; fields of the wrong type read as unknown, never as a crash."""
     def seconds(ms: object) -> float | None:
-        return float(ms) / 1000.0 if isinstance(ms, (int, float)) and ms else None
+        return float(ms) / 1000.0 if isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms else None
 
+    def text(v: object) -> str:
+        return v if isinstance(v, str) else ""
+
+    def opt(v: object, kind: type) -> object:
+        return v if isinstance(v, kind) and not isinstance(v, bool) else None
+
+    meta = d.get("metadata")
     return JobInfo(
-        submission_id=d.get("submission_id") or d.get("job_id") or "", status=str(d.get("status") or ""),
-        entrypoint=d.get("entrypoint") or "", message=d.get("message") or "", start_time=seconds(d.get("start_time")),
-        end_time=seconds(d.get("end_time")), metadata=dict(d.get("metadata") or {}),
-        driver_exit_code=d.get("driver_exit_code"), driver_node_id=d.get("driver_node_id"),
-        error_type=d.get("error_type"),
+        submission_id=text(d.get("submission_id")) or text(d.get("job_id")), status=text(d.get("status")),
+        entrypoint=text(d.get("entrypoint")), message=text(d.get("message")), start_time=seconds(d.get("start_time")),
+        end_time=seconds(d.get("end_time")),
+        metadata={str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {},
+        driver_exit_code=opt(d.get("driver_exit_code"), int), driver_node_id=opt(d.get("driver_node_id"), str),
+        error_type=opt(d.get("error_type"), str),
     )
 
 
 class JobApi:
     """The job and log APIs of one cluster's dashboard (`http://host:port`), with its token."""
 
-    def __init__(self, url: str, token: str | None) -> None:
+    def __init__(self, url: str, token: str | None, timeout: float = TIMEOUT_S) -> None:
         self.url = url.rstrip("/")
         self.token = token
+        self.timeout = timeout  # one request, whole
 
-    def _request(self, method: str, path: str, body: dict | bytes | None = None, timeout: float = TIMEOUT_S,
+    def _request(self, method: str, path: str, body: dict | bytes | None = None, timeout: float | None = -1.0,
                  stream: bool = False):  # noqa: ANN201 - bytes, or the open response when streaming
+        timeout = self.timeout if timeout == -1.0 else timeout  # None: no bound (a stream the caller ends)
         raw = isinstance(body, bytes)
         headers = {"Content-Type": "application/octet-stream" if raw else "application/json"}
         if self.token:
@@ -96,8 +108,7 @@ class JobApi:
                                "is the cluster up, with its dashboard? (`tpulaunch cluster status`)") from None
         if stream:
             return resp
-        with resp:
-            return resp.read()
+        return _read_bounded(resp, self.url, timeout)
 
     def version(self) -> dict:
         return json.loads(self._request("GET", "/api/version"))
@@ -158,10 +169,24 @@ class JobApi:
             os.environ.update(saved)
             logging.disable(logging.NOTSET)
 
+    def _json(self, method: str, path: str, kind: type, body: dict | None = None):  # noqa: ANN202
+        """An answer that must be JSON of `kind` (dict or list): anything else is one line (exit 5)."""
+        raw = self._request(method, path, body)
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise ClusterError(f"the job API at {self.url} answered {path.split('?')[0]} with something that is not"
+                               f" JSON ({_first_line(raw[:80].decode(errors='replace'))!r})",
+                               "is that address the cluster's dashboard?") from None
+        if not isinstance(doc, kind) or (kind is list and not all(isinstance(d, dict) for d in doc)):
+            raise ClusterError(f"the job API at {self.url} answered {path.split('?')[0]} with a {type(doc).__name__},"
+                               " not what Ray's job API gives", "is that address the cluster's dashboard?")
+        return doc
+
     def info(self, submission_id: str) -> JobInfo | None:
         """The job, or None if the cluster does not know it."""
         try:
-            return _info(json.loads(self._request("GET", f"/api/jobs/{urllib.parse.quote(submission_id)}")))
+            return _info(self._json("GET", f"/api/jobs/{urllib.parse.quote(submission_id)}", dict))
         except _HttpError as e:
             if e.code == 404 or "does not exist" in e.text:
                 return None
@@ -170,13 +195,13 @@ class JobApi:
 
     def list(self) -> list[JobInfo]:
         try:
-            return [_info(d) for d in json.loads(self._request("GET", "/api/jobs/"))]
+            return [_info(d) for d in self._json("GET", "/api/jobs/", list)]
         except _HttpError as e:
             raise ClusterError(f"the job API could not list runs ({e.code}): {_first_line(e.text)}", "try again") from None
 
     def stop(self, submission_id: str) -> bool:
         try:
-            return bool(json.loads(self._request("POST", f"/api/jobs/{urllib.parse.quote(submission_id)}/stop")).get("stopped"))
+            return bool(self._json("POST", f"/api/jobs/{urllib.parse.quote(submission_id)}/stop", dict).get("stopped"))
         except _HttpError as e:
             raise ClusterError(f"the job API could not stop run {submission_id} ({e.code}): {_first_line(e.text)}",
                                "try again") from None
@@ -184,7 +209,7 @@ class JobApi:
     def driver_log(self, submission_id: str) -> str:
         """What the run's supervisor printed (every host's prefixed lines and its progress)."""
         try:
-            doc = json.loads(self._request("GET", f"/api/jobs/{urllib.parse.quote(submission_id)}/logs"))
+            doc = self._json("GET", f"/api/jobs/{urllib.parse.quote(submission_id)}/logs", dict)
         except _HttpError as e:
             raise ClusterError(f"no log for run {submission_id} ({e.code}): {_first_line(e.text)}", "") from None
         return str(doc.get("logs") or "")
@@ -210,6 +235,27 @@ class JobApi:
                 if not chunk:
                     return
                 yield chunk.decode(errors="replace")
+
+
+def _read_bounded(resp, url: str, timeout: float | None) -> bytes:  # noqa: ANN001 - an http.client response
+    """The whole answer, within `timeout` in total and MAX_ANSWER bytes; ClusterError (exit 5) past either."""
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    parts, size = [], 0
+    with resp:
+        while True:
+            chunk = resp.read1(65536) if hasattr(resp, "read1") else resp.read(65536)
+            if not chunk:
+                return b"".join(parts)
+            size += len(chunk)
+            parts.append(chunk)
+            if size > MAX_ANSWER:
+                raise ClusterError(f"the answer from {url} is larger than {MAX_ANSWER >> 20} MiB", "is that the cluster's"
+                                   " dashboard? (`tpulaunch cluster status`)")
+            if deadline is not None and time.monotonic() > deadline:
+                raise ClusterError(f"the answer from {url} took longer than {timeout:g} s", "the head may be overloaded;"
+                                   " try again")
 
 
 class _HttpError(Exception):

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpulaunch import procfs
-from tpulaunch.cluster.processes import names_dir
 from tpulaunch.errors import StateError
 
 MARKER = "tpulaunch-cluster"  # the file inside a cluster's temp dir that says it is ours
@@ -81,8 +80,9 @@ def _started_elsewhere(doc: dict, home: Path) -> bool:
     return isinstance(other, str) and Path(other) != home.resolve() and Path(other).is_dir()
 
 
-def check_temp_dir(temp_dir: object, cluster_id: object, record: str) -> str:
-    """`temp_dir` if it is a cluster dir tpulaunch made for `cluster_id`; else StateError naming the field."""
+def check_temp_dir(temp_dir: object, cluster_id: object, record: str, home: Path | None = None) -> str:
+    """`temp_dir` if it is a cluster dir tpulaunch made for `cluster_id` (and, given `home`, started
+    from that state directory: a record copied into another home stops nothing); else StateError."""
     where = f"cluster record {record}"
     fix = (f"it is not one tpulaunch made, so nothing was stopped or deleted; remove the record (rm {record})"
            " and stop that cluster's processes yourself, or `tpulaunch cluster down --force` to find ours by marker")
@@ -105,24 +105,33 @@ def check_temp_dir(temp_dir: object, cluster_id: object, record: str) -> str:
     if found != cluster_id:
         what = "has no tpulaunch marker" if found is None else f"is marked for cluster {found}"
         raise StateError(f"{where}: field 'temp_dir' ({temp_dir}) {what}, not for cluster {cluster_id}", fix)
+    doc = _marker(temp_dir) or {}
+    if home is not None and _started_elsewhere(doc, home):
+        raise StateError(f"{where} is a copy: cluster {cluster_id} was started from TPULAUNCH_HOME={doc['home']}",
+                         f"stop it from there (TPULAUNCH_HOME={doc['home']} tpulaunch cluster down); nothing was"
+                         " stopped or deleted")
     return temp_dir
 
 
 def cluster_pids(cluster_id: str, temp_dir: str | None = None) -> list[int]:
-    """Live processes of the cluster: started with `TPULAUNCH_CLUSTER_ID=<cluster_id>`, or (given its
-    verified `temp_dir`) this user's processes holding a file open inside it or naming it as an
-    argument, path component by path component (`/tmp/tpl-ab` never matches `/tmp/tpl-abc`)."""
+    """Live processes of the cluster: started with `TPULAUNCH_CLUSTER_ID=<cluster_id>`, and every
+    process below one of those (Ray's agents and workers rename themselves, which can wipe what
+    /proc shows of their environment, but they stay the raylet's children). Never a process just
+    because it holds a file of the cluster open (a user's `tail -f` of a Ray log is theirs).
+    `temp_dir` is accepted for the callers' symmetry and no longer read."""
+    del temp_dir
     entry = f"{ID_ENV}={cluster_id}".encode()
-    me = os.getuid()
-    out = []
-    for proc in procfs.processes():
-        if not procfs.alive(proc.pid):
-            continue
-        if entry in proc.environ().split(b"\0"):
-            out.append(proc.pid)
-        elif temp_dir and proc.uid() == me and names_dir(proc, temp_dir):
-            out.append(proc.pid)
-    return out
+    carriers = [p.pid for p in procfs.processes() if procfs.alive(p.pid) and entry in p.environ().split(b"\0")]
+    if not carriers:
+        return []
+    kids = procfs.children_map()
+    out, todo = set(carriers), list(carriers)
+    while todo:
+        for child in kids.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return sorted(out)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """tpulaunch-stop: end the processes of one cluster on this host, by pid. Prints one marked JSON line.
 
-Those started with the cluster's id (`TPULAUNCH_CLUSTER_ID` in their environment), and, when its
-temp dir DIR is marked for it, this user's processes holding files in that dir (Ray's agents
-rename themselves, which hides their environment). Runs on a TPU worker over gcloud ssh, sent as
+Those started with the cluster's id (`TPULAUNCH_CLUSTER_ID` in their environment) and every process
+below them; its temp dir DIR is removed only when it is marked for the cluster. Runs on a TPU worker over gcloud ssh, sent as
 its own source with `python -c` (`cluster/remote.py`), so the worker needs no tpulaunch: the
 standard library only; tests import it and run it as a program.
 """
@@ -25,28 +24,12 @@ def alive(pid: int | str) -> bool:
         return False
 
 
-def in_dir(pid: str, d: str) -> bool:
-    inside = d.rstrip("/") + "/"
-    try:
-        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
-            return False
-        args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
-        if any(a == d or a.startswith(inside) for a in args):
-            return True
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(inside):
-                    return True
-            except OSError:
-                continue
-    except OSError:
-        pass
-    return False
-
-
-def members(cid: str, d: str, marked: bool) -> list[int]:
+def members(cid: str) -> list[int]:
+    """The processes started with the cluster's id, and every process below them (Ray's agents
+    rename themselves, which can wipe their environment in /proc; they stay the raylet's
+    children). Never a process just because it holds a file of the cluster open."""
     entry = ("TPULAUNCH_CLUSTER_ID=" + cid).encode()
-    out = []
+    carriers, kids = [], {}
     for e in os.listdir("/proc"):
         if not e.isdigit() or int(e) == os.getpid() or not alive(e):
             continue
@@ -54,9 +37,20 @@ def members(cid: str, d: str, marked: bool) -> list[int]:
             env = open(f"/proc/{e}/environ", "rb").read().split(b"\0")
         except OSError:
             env = []
-        if entry in env or (marked and in_dir(e, d)):
-            out.append(int(e))
-    return out
+        if entry in env:
+            carriers.append(int(e))
+        try:
+            ppid = int(open(f"/proc/{e}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        kids.setdefault(ppid, []).append(int(e))
+    out, todo = set(carriers), list(carriers)
+    while todo:
+        for child in kids.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return sorted(out)
 
 
 def gcs(pid: int) -> bool:
@@ -72,20 +66,20 @@ def stop(temp_dir: str, cid: str) -> dict:
         marked = json.load(open(os.path.join(d, MARKER))).get("cluster_id") == cid and not os.path.islink(d)
     except (OSError, ValueError, AttributeError):
         marked = False
-    found = members(cid, d, marked)
+    found = members(cid)
     # the node's processes first, the GCS (on the head) last: a GCS told to stop together with the
     # processes that report to it outlived SIGTERM for the whole grace (down took 10.5 s, now 0.9 s)
     for sig, wait, which in ((signal.SIGTERM, 10.0, lambda p: not gcs(p)), (signal.SIGTERM, 10.0, gcs),
                              (signal.SIGKILL, 5.0, lambda p: True)):
-        for pid in [p for p in members(cid, d, marked) if which(p)]:
+        for pid in [p for p in members(cid) if which(p)]:
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass
         end = time.monotonic() + wait
-        while time.monotonic() < end and [p for p in members(cid, d, marked) if which(p)]:
+        while time.monotonic() < end and [p for p in members(cid) if which(p)]:
             time.sleep(0.2)
-    left = members(cid, d, marked)
+    left = members(cid)
     if not left and marked:
         shutil.rmtree(d, ignore_errors=True)
     return {"stopped": len(found), "left": left, "removed": bool(not left and marked)}
