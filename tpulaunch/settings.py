@@ -12,6 +12,31 @@ import os
 from tpulaunch.errors import TpulaunchError
 
 
+def endpoint(name: str, value: str | None = None) -> str | None:
+    """An endpoint override from variable `name` (or `value`): None when unset; else HOST[:PORT] or
+    http(s)://HOST[:PORT], or an error naming the variable."""
+    from urllib.parse import urlsplit
+
+    raw = (value or os.environ.get(name, "")).strip()
+    if not raw:
+        return None
+    try:
+        parts = urlsplit(raw if "://" in raw else "https://" + raw)
+        parts.port  # noqa: B018 - a port that is not a number raises here
+        ok = bool(parts.hostname) and parts.scheme in ("http", "https") and len(raw) <= 2048
+    except ValueError:
+        ok = False
+    if not ok:
+        raise TpulaunchError(f"{name}={raw[:80]!r} is not an endpoint",
+                             "give HOST[:PORT] or http(s)://HOST[:PORT], or unset it for Google's")
+    return raw.rstrip("/")
+
+
+def check_environment() -> None:
+    """What every command reads from the environment, checked before it starts (one line, exit 2)."""
+    endpoint("TPULAUNCH_TPU_API_ENDPOINT")
+
+
 # Read on the hosts (from the host's environment: the node's, or --env): checked on the driver too.
 HOST_SECONDS = {"TPULAUNCH_DIST_TIMEOUT": 300.0, "TPULAUNCH_JAX_INIT_TIMEOUT": 300.0,
                 "TPULAUNCH_JAX_SHUTDOWN_TIMEOUT": 30.0}

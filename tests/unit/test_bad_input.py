@@ -311,3 +311,40 @@ def test_force_finds_the_clusters_of_this_home_and_of_homes_that_are_gone(tmp_pa
     assert found(None) == ours
     line = one_line(invoke("cluster", "down", "--all", env=cli_env(TPULAUNCH_HOME=str(a))), ExitCode.USAGE)
     assert "--all goes with --force" in line
+
+
+BIG = "9" * 10_000
+
+
+@pytest.mark.parametrize("args, says", [
+    (["mesh", "inspect", "--topology", "2x" + BIG], "(10002 characters)' is not a topology"),
+    (["mesh", "inspect", "v4-" + BIG], "(10003 characters)"),
+    (["run", "train.py", "--topology", "2x8", "--max-restarts", "9" * 400, "--dry-run"],
+     "is not a count from 0 to 1000000"),
+    (["run", "train.py", "--topology", "2x8", "--max-preemptions", "-1", "--dry-run"], "is not a count from 0"),
+    (["run", "train.py", "--topology", "2x8", "--env", "A\n=1", "--dry-run"], "--env 'A\\n=1' is not KEY=VALUE"),
+    (["run", "train.py", "--topology", "2x8", "--log-dir", "x" * 10_000, "--dry-run"], "--log-dir is 10000 characters"),
+    (["run", "train.py", "--topology", "2x8", "--compile-cache", "/etc/hostname", "--dry-run"], "is a file, not a directory"),
+    (["run", "train.py", "--topology", "2x8", "--compile-cache", "/proc/x", "--dry-run"], "is under /proc"),
+    (["cluster", "up", "--topology", "2x2", "--name", ""], "--name '' is not a slice name"),
+    (["cluster", "up", "--topology", "2x2", "--name", "bad name!/.."], "is not a slice name"),
+    (["cluster", "up", "--topology", "2x2", "--name", "a" * 10_000], "(10000 characters) is not a slice name"),
+    (["slice", "create", "s1", "--accelerator", "v4-8", "--zone", "z", "--project", "p", "--wait-timeout", "nan"],
+     "--wait-timeout nan is not a positive number"),
+    (["slice", "create", "s1", "--accelerator", "v4-8", "--zone", "z", "--project", "p", "--wait-timeout", "-1"],
+     "--wait-timeout -1 is not a positive number"),
+    (["slice", "create", "s1", "--accelerator", "v4-8", "--zone", "z", "--project", "p", "--num-slices", "0"],
+     "--num-slices 0 is not a number of slices"),
+    (["slice", "create", "Bad_Name", "--accelerator", "v4-8", "--zone", "z", "--project", "p"],
+     "is not a name the Cloud TPU API accepts"),
+])
+def test_values_past_any_bound_are_one_line_exit_2(work, home, args, says):
+    proc = invoke(*args, env=cli_env(TPULAUNCH_HOME=str(home)), cwd=work)
+    assert says in one_line(proc, ExitCode.USAGE)
+
+
+@pytest.mark.parametrize("endpoint", ["::bad::", "http://[::1", "http://127.0.0.1:99999999"])
+def test_a_malformed_tpu_api_endpoint_is_one_line(home, endpoint):
+    proc = invoke("slice", "describe", "x", "--zone", "z", "--project", "p",
+                  env=cli_env(TPULAUNCH_HOME=str(home), TPULAUNCH_TPU_API_ENDPOINT=endpoint))
+    assert "TPULAUNCH_TPU_API_ENDPOINT=" in one_line(proc, ExitCode.USAGE)

@@ -8,7 +8,7 @@ import pytest
 
 from tpulaunch.cluster.record import ClusterInfo, RemoteSpec
 from tpulaunch.provision.capacity import SliceOrder, check_order, queued_resource_body
-from tpulaunch.errors import CapacityError, LaunchError
+from tpulaunch.errors import CapacityError, ExitCode, LaunchError
 from tpulaunch.plan.launch import build_plan
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
@@ -61,8 +61,10 @@ def test_on_demand_sends_no_tier():
     ({"num_slices": 0}, "--num-slices 0"),
 ])
 def test_orders_the_api_would_refuse_are_refused_here(kw, says):
-    with pytest.raises(CapacityError, match=says):
+    """A flag's fault, found before the API is asked: exit 2 (bad input), not 3 (the API refused)."""
+    with pytest.raises(LaunchError, match=says) as e:
         order(**kw)
+    assert e.value.exit_code == ExitCode.USAGE
 
 
 @pytest.mark.parametrize("node, qr, recreate", [

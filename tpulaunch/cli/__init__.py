@@ -88,6 +88,9 @@ def invoke(argv: list[str]) -> int:
     _register(argv)
     _DEBUG["on"] = os.environ.get("TPULAUNCH_DEBUG", "") not in ("", "0") or "--debug" in argv
     try:
+        from tpulaunch import settings
+
+        settings.check_environment()
         rc = app(args=argv, prog_name="tpulaunch", standalone_mode=False)
     except TpulaunchError as e:
         if debug_enabled():

@@ -17,7 +17,7 @@ from tpulaunch import discover
 from tpulaunch.cli import app
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
-from tpulaunch.errors import TpulaunchError
+from tpulaunch.errors import LaunchError, TpulaunchError
 from tpulaunch.plan.slicespec import SliceSpec
 
 slice_app = typer.Typer(
@@ -365,6 +365,10 @@ def create_cmd(
     """
     from tpulaunch.provision import capacity
 
+    import math
+
+    if not math.isfinite(wait_timeout) or wait_timeout <= 0:
+        raise LaunchError(f"--wait-timeout {wait_timeout:g} is not a positive number of seconds", "e.g. --wait-timeout 3600")
     out = Output(json_mode=json_out)
     tiers = [t for t, on in (("spot", spot), ("reserved", reserved), ("guaranteed", guaranteed), ("flex-start", flex_start))
              if on]

@@ -66,8 +66,7 @@ def api_timeout(timeout: float | None = None) -> float:
 
 def api_endpoint(endpoint: str | None = None) -> str | None:
     """The endpoint override (argument, then `TPULAUNCH_TPU_API_ENDPOINT`), or None for Google's."""
-    value = endpoint or os.environ.get(ENDPOINT_ENV, "").strip() or None
-    return value.rstrip("/") if value else None
+    return settings.endpoint(ENDPOINT_ENV, endpoint)
 
 
 def is_local_test_endpoint(endpoint: str | None) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from tpulaunch.discover.tpu_api import TpuApi
-from tpulaunch.errors import CapacityError, NameTakenError, NodeNotFoundError
+from tpulaunch.errors import CapacityError, LaunchError, NameTakenError, NodeNotFoundError
 from tpulaunch.plan import topology as topo_mod
 
 # AcceleratorConfig.Type of the v2 API per generation (v7x is not offered through this API: GKE only).
@@ -67,21 +67,22 @@ class SliceOrder:
 
 
 def check_order(order: SliceOrder) -> SliceOrder:
-    """The order with its accelerator checked against the catalog and the API (one line if not)."""
+    """The order with its accelerator checked against the catalog (one line, exit 2, if not: a flag's
+    fault, found before the API is asked)."""
     if not re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", order.name):
-        raise CapacityError(f"'{order.name}' is not a name the Cloud TPU API accepts",
+        raise LaunchError(f"{order.name[:70]!r} is not a name the Cloud TPU API accepts",
                             "use lowercase letters, digits and dashes, starting with a letter (at most 63)")
     if order.tier not in TIERS:
-        raise CapacityError(f"unknown tier '{order.tier}'", f"use one of {', '.join(TIERS)}")
+        raise LaunchError(f"unknown tier '{order.tier}'", f"use one of {', '.join(TIERS)}")
     if not 1 <= order.num_slices <= 1024:
-        raise CapacityError(f"--num-slices {order.num_slices} is not a number of slices", "use 1 to 1024")
+        raise LaunchError(f"--num-slices {order.num_slices} is not a number of slices", "use 1 to 1024")
     topo = topo_mod.resolve(topology=order.topology, accelerator=order.accelerator_type)
     gen = topo.generation.name
     if gen not in API_CONFIG_TYPE:
-        raise CapacityError(f"{topo.accelerator_type} slices cannot be created through the Cloud TPU API v2"
+        raise LaunchError(f"{topo.accelerator_type} slices cannot be created through the Cloud TPU API v2"
                             " (TPU7x is offered through GKE only)", "create it with GKE / xpk")
     if order.num_slices > 1 and gen in ("v2", "v3"):
-        raise CapacityError(f"{gen} slices do not form a multislice", "use --num-slices 1")
+        raise LaunchError(f"{gen} slices do not form a multislice", "use --num-slices 1")
     return SliceOrder(**{**order.to_dict(), "accelerator_type": topo.accelerator_type,
                          "topology": order.topology and topo.topology,
                          "runtime_version": order.runtime_version or DEFAULT_RUNTIME[gen]})

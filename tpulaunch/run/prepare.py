@@ -298,6 +298,8 @@ def validate(req: LaunchRequest) -> None:
             raise LaunchError(f"--num-slices {req.slices.num_slices} is more slices than a multislice job can have"
                               f" ({MAX_SLICES})", "check the number")
     check_log_dir(req.log_dir)
+    if req.compile_cache and "://" not in req.compile_cache:  # a local cache dir (gs:// is the framework's)
+        check_log_dir(req.compile_cache, "--compile-cache")
     connect_timeout()  # read now: a bad value must not surface after a cluster was started
     user_env = parse_env(list(req.env))
     for name, default in settings.HOST_SECONDS.items():
@@ -307,20 +309,20 @@ def validate(req: LaunchRequest) -> None:
 _PSEUDO_FS = ("/proc", "/sys", "/dev")
 
 
-def check_log_dir(log_dir: str) -> Path:
-    """`--log-dir` must be (or be creatable as) a directory this user can write, on a real filesystem.
-    Nothing is created here (a dry run leaves no trace): the nearest existing ancestor is checked."""
+def check_log_dir(log_dir: str, flag: str = "--log-dir") -> Path:
+    """`--log-dir` (or `flag`) must be (or be creatable as) a directory this user can write, on a real
+    filesystem. Nothing is created here (a dry run leaves no trace): the nearest existing ancestor is checked."""
     path = Path(log_dir).expanduser().resolve()
     if any(path == Path(fs) or Path(fs) in path.parents for fs in _PSEUDO_FS):
-        raise LaunchError(f"--log-dir {log_dir} is under {path.parts[0]}{path.parts[1]}, which holds no files",
-                          "give a directory on a real filesystem, e.g. --log-dir runs")
+        raise LaunchError(f"{flag} {log_dir} is under {path.parts[0]}{path.parts[1]}, which holds no files",
+                          f"give a directory on a real filesystem, e.g. {flag} runs")
     existing = path
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise LaunchError(f"--log-dir {log_dir}: {existing} is a file, not a directory", "give a directory")
+        raise LaunchError(f"{flag} {log_dir}: {existing} is a file, not a directory", "give a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise LaunchError(f"--log-dir {log_dir}: {existing} is not writable by this user", "give a directory you can write")
+        raise LaunchError(f"{flag} {log_dir}: {existing} is not writable by this user", "give a directory you can write")
     return path
 
 
