@@ -46,7 +46,7 @@ def _root(
 COMMAND_MODULES = {
     "topology": "cmd_topology", "mesh": "cmd_mesh", "run": "cmd_run", "exec": "cmd_exec",
     "runs": "cmd_runs", "status": "cmd_runs", "logs": "cmd_runs", "stop": "cmd_runs", "wait": "cmd_runs",
-    "slice": "cmd_slice", "cluster": "cmd_cluster", "supervise": "cmd_run",
+    "slice": "cmd_slice", "cluster": "cmd_cluster", "supervise": "cmd_run", "goodput": "cmd_goodput", "trace": "cmd_goodput",
 }
 
 

@@ -76,13 +76,29 @@ def check_hosts(chosen: set[int] | None, hosts: int) -> None:
                           "name hosts of this slice, or --hosts all")
 
 
+def _goodput(summary: RunSummary):  # noqa: ANN202 - goodput.Goodput | None
+    """The run's goodput from its timeline (None if it has none)."""
+    from tpulaunch.run import goodput, timeline
+    from tpulaunch.run.paths import RunPaths
+
+    try:
+        events = timeline.read(RunPaths.of(summary.log_dir).events)
+    except OSError:
+        return None
+    return goodput.analyze(events) if events else None
+
+
 def report(out: Output, summary: RunSummary, sink: TerminalSink | None = None) -> None:
     """The end-of-run summary: JSON document, or one line per host plus the verdict."""
     folded = sink.noise.summary() if sink is not None else None
     if folded:
         out.info(f"note: {folded}")
+    good = _goodput(summary)
     if out.json_mode:
-        out.json(summary.to_dict())
+        doc = summary.to_dict()
+        if good is not None:
+            doc["goodput"] = good.to_dict()
+        out.json(doc)
         return
     for a in summary.attempts[:-1]:
         out.info(f"attempt {a.index}: {a.outcome}: {a.who or 'no host failed'}; logs in {a.log_dir}")
@@ -112,6 +128,8 @@ def report(out: Output, summary: RunSummary, sink: TerminalSink | None = None) -
     else:
         again = f" after {len(summary.attempts) - 1} relaunch(es)" if len(summary.attempts) > 1 else ""
         out.info(f"run {summary.run_id}: all {len(summary.hosts)} host(s) exited 0{again}; {where}")
+    if good is not None:
+        out.info(f"{good.line()} (`tpulaunch goodput {summary.log_dir}` says more)")
 
 
 def print_plan(out: Output, prep: run.Prepared, show_env: bool = False) -> None:

@@ -125,25 +125,50 @@ def status_cmd(run: str = RUN, address: str = ADDRESS,
         return
     if not watch:
         _print_status(out, doc)
+        line = _goodput_line(api, job)
+        if line:
+            out.info(line)
         return
     if out.rich:
-        with Live(_status_table(doc), console=out.out, refresh_per_second=2) as live:
+        def table() -> Table:
+            t = _status_table(doc)
+            t.caption = _goodput_line(api, job)
+            return t
+
+        with Live(table(), console=out.out, refresh_per_second=2) as live:
             while doc["state"] not in ("succeeded", "failed", "stopped", "lost", "unknown"):
                 time.sleep(2.0)
                 doc = _status_doc(detached.record(api, api.info(job.submission_id) or job))
-                live.update(_status_table(doc))
+                live.update(table())
         return
-    last = None
+    last, last_good = None, None
     while True:
         lines = _status_lines(doc)
         if lines != last:
             for line in lines:
                 out.line(line)
             last = lines
+        good = _goodput_line(api, job)
+        if good and good != last_good:
+            out.line(good)
+            last_good = good
         if doc["state"] in ("succeeded", "failed", "stopped", "lost", "unknown"):
             return
         time.sleep(2.0)
         doc = _status_doc(detached.record(api, api.info(job.submission_id) or job))
+
+
+def _goodput_line(api, job) -> str | None:  # noqa: ANN001
+    """Goodput so far of a detached run, from its timeline on the head."""
+    from tpulaunch.run import detached, goodput, timeline
+
+    if not job.driver_node_id:
+        return None
+    try:
+        events = timeline.parse(api.read_file(job.driver_node_id, str(detached.run_paths(job.submission_id).events)) or "")
+    except TpulaunchError:
+        return None
+    return goodput.analyze(events).line() if events else None
 
 
 def _print_status(out: Output, doc: dict) -> None:

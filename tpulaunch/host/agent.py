@@ -140,6 +140,26 @@ def _child_setup() -> None:
         pass
 
 
+def read_beat(path: str) -> dict:
+    """A heartbeat file's record (`host.context.heartbeat`), "STEP FIRST SINCE_FIRST [SAVED SAVE_S
+    SINCE_SAVED]", as the PollReply's step fields, with ages measured now (the file's mtime is when
+    it was written): `step_age`, `first_step` (step, age), `checkpoint` (step, save seconds, age)."""
+    try:
+        with open(path, "rb") as f:
+            words = f.read(128).split()
+            age = max(0.0, time.time() - os.fstat(f.fileno()).st_mtime)
+        if not words:
+            return {}
+        out: dict = {"step": int(words[0]), "step_age": age}
+        if len(words) >= 3:
+            out["first_step"] = (int(words[1]), age + float(words[2]))
+        if len(words) >= 6:
+            out["checkpoint"] = (int(words[3]), float(words[4]), age + float(words[5]))
+        return out
+    except (OSError, ValueError):
+        return {}
+
+
 def exit_code_of(returncode: int) -> int:
     """Popen's `-N` (killed by signal N) becomes the shell's `128+N`."""
     return 128 - returncode if returncode < 0 else returncode
@@ -527,12 +547,14 @@ class HostAgent:
             out = notes + [h.lines.popleft() for _ in range(n)]
             code = h.code() if h.done() and not h.lines else None
         phases = {}
+        steps = self._step()  # before the files go: the last reply carries the last step too
+        activity = self._activity(h)
         if code is not None:
             phases = self._phases()
             self._cleanup_files()
         return PollReply(lines=tuple(out), code=code, wall_s=(h.exited or time.time()) - h.started,
-                         ended=h.exited if code is not None else None, activity=self._activity(h),
-                         preempted=self._preempted, phases=phases, step=self._step())
+                         ended=h.exited if code is not None else None, activity=activity,
+                         preempted=self._preempted, phases=phases, **steps)
 
     def _phases(self) -> dict:
         try:
@@ -550,14 +572,9 @@ class HostAgent:
                 pass
         return max(h.last_line, beat)
 
-    def _step(self) -> int | None:
-        """The step the script last gave `tpulaunch.heartbeat(step=N)` (None: it never did)."""
-        try:
-            with open(self._heartbeat or "", "rb") as f:
-                text = f.read(64).strip()
-            return int(text) if text else None
-        except (OSError, ValueError):
-            return None
+    def _step(self) -> dict:
+        """What the script last said with `tpulaunch.heartbeat(step=N)`: the PollReply's step fields."""
+        return read_beat(self._heartbeat or "")
 
     def release(self, prewarm: HostState | None = None) -> None:
         """The run is over: stop what is left of it; with `prewarm`, start a spare for the next

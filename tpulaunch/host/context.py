@@ -7,6 +7,7 @@ Outside a launch they raise a clear error instead of returning something half-ri
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from tpulaunch.errors import LaunchError
@@ -154,26 +155,47 @@ def get_mesh_plan() -> MeshPlan:
 
 
 _beat_fd: tuple[str, int] | None = None  # (path, fd): the heartbeat file, opened once
+_beat_t = 0.0  # time.monotonic() of the last heartbeat
+_saved: tuple[int, float, float] | None = None  # last heartbeat(checkpoint=True): (step, save seconds, when)
+_first: tuple[int, float] | None = None  # (step, when) of this process's first heartbeat(step=N)
 
 
-def heartbeat(step: int | None = None) -> None:
+def heartbeat(step: int | None = None, checkpoint: bool = False) -> None:
     """Say "this host is making progress" without printing a line (`--stall-timeout` counts it);
     with `step`, also where it is: the launcher keeps each host's step rate and names a host that
-    falls behind the others (`--straggler-ratio`).
+    falls behind the others (`--straggler-ratio`), and `tpulaunch goodput` tells steps that counted
+    from steps redone after a failure.
 
-    Cheap (one `utime`, or one 24-byte `pwrite` with a step), safe to call every step, and a
-    no-op outside a launch.
+    `checkpoint=True`: step `step` is saved (call it when the save is done). The time since the
+    previous heartbeat is counted as the save's, so call `heartbeat(step=n)` after each step and
+    `heartbeat(step=n, checkpoint=True)` after a save. An attempt after a failure resumes from the
+    last step so marked (without marks: from its own first step).
+
+    Cheap (one `utime`, or one 96-byte `pwrite` with a step), safe to call every step, and a
+    no-op outside a launch. The record (`host.agent.read_beat`): the step, this process's first
+    step and the seconds since it, and the last save's step, duration and age; times are only
+    differences on this host's clock, so the launcher places them on its own.
     """
-    global _beat_fd
+    global _beat_fd, _beat_t, _saved, _first
     path = os.environ.get(HEARTBEAT_ENV)
     if not path:
         return
+    now = time.monotonic()
     try:
         if step is None:
             os.utime(path)
             return
+        if _first is None:
+            _first = (int(step), now)
+        if checkpoint:
+            _saved = (int(step), now - _beat_t if _beat_t else 0.0, now)
         if _beat_fd is None or _beat_fd[0] != path:
             _beat_fd = (path, os.open(path, os.O_WRONLY))
-        os.pwrite(_beat_fd[1], f"{int(step)}\n".ljust(24).encode(), 0)  # the write is the mtime's update too
+        record = f"{int(step)} {_first[0]} {now - _first[1]:.3f}"
+        if _saved:
+            record += f" {_saved[0]} {_saved[1]:.3f} {now - _saved[2]:.3f}"
+        os.pwrite(_beat_fd[1], (record + "\n").ljust(96).encode(), 0)  # the write is the mtime's update too
     except (OSError, ValueError, TypeError):
         pass
+    finally:
+        _beat_t = now

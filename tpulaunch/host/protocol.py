@@ -44,6 +44,9 @@ class PollReply:
     preempted: str | None = None  # why, when this host is going away (a notice, SIGTERM to the agent)
     phases: dict = field(default_factory=dict)  # import_s, boot_s, mesh_s (from the bootstrap), at the end
     step: int | None = None  # the last `tpulaunch.heartbeat(step=N)`, if the script reports steps
+    step_age: float = 0.0  # seconds since that step was reported (the host's clock, a difference)
+    first_step: tuple[int, float] | None = None  # this host process's first reported step: (step, seconds ago)
+    checkpoint: tuple[int, float, float] | None = None  # the last `heartbeat(step=N, checkpoint=True)`: (N, save s, s ago)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.run import watch as W
 from tpulaunch.run.fleet import Fleet, RayFleet, Reply, reachable
 from tpulaunch.run.paths import RunPaths
+from tpulaunch.run.timeline import Timeline
 from tpulaunch.run.status import RunState, RunView
 from tpulaunch.run.summary import Attempt, HostResult
 
@@ -146,13 +147,15 @@ def place_agents(plan: LaunchPlan, timeout_s: float, interrupts: Interrupts) -> 
 
 
 def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts,
-            gcs_address: str | None = None) -> Attempt:
+            gcs_address: str | None = None, timeline: Timeline | None = None) -> Attempt:
     """Run one attempt of the plan on Ray (see the module docstring)."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     t0 = time.time()
     paths = RunPaths.of(plan.job.log_dir)
     logs, watch = attempt_watch(plan, limits)
+    timeline = timeline or Timeline(None)
+    watch.on_step = lambda host, reply: timeline.on_step(plan.attempt, host, reply)
     hosts = watch.hosts
     timings: dict[str, float] = {}
     fleet: RayFleet | None = None
@@ -182,7 +185,7 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
                     r.node_ip = info.node_ip
                 fleet = RayFleet(agents, raylets)
                 probe = (lambda: reachable(gcs_address)) if gcs_address else None
-                head_lost = drive(plan, fleet, watch, sink, logs, limits, interrupts, timings, probe, t0)
+                head_lost = drive(plan, fleet, watch, sink, logs, limits, interrupts, timings, probe, t0, timeline)
     except KeyboardInterrupt:
         import signal
 
@@ -218,15 +221,24 @@ def attempt_watch(plan: LaunchPlan, limits: Limits) -> tuple[HostLogs, W.Attempt
 
 
 def drive(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink, logs: HostLogs, limits: Limits,
-          interrupts: Interrupts, timings: dict, probe_head=None, t0: float | None = None) -> bool:  # noqa: ANN001
+          interrupts: Interrupts, timings: dict, probe_head=None, t0: float | None = None,  # noqa: ANN001
+          timeline: Timeline | None = None) -> bool:
     """One attempt on hosts whose agents are placed: preflight, start, supervise until every host
     is over. Returns True when the Ray head was lost. `t0`: when the attempt began (timings).
     (The scale harness drives this with simulated hosts.)"""
     t0 = t0 or time.time()
+    timeline = timeline or Timeline(None)
     options = host_options(plan, limits)
-    if limits.preflight and not _preflight(plan, fleet, options, watch, sink, timings, limits):
-        return False
+    if limits.preflight:
+        timeline.emit("preflight_start", attempt=plan.attempt)
+        ok = _preflight(plan, fleet, options, watch, sink, timings, limits)
+        timeline.emit("preflight_end", attempt=plan.attempt, ok=ok)
+        if not ok:
+            return False
     started = fleet.start(plan.states(), options, limits.schedule_timeout_s)
+    now = time.time()
+    for host, s in enumerate(started):
+        timeline.emit("host_start", now, attempt=plan.attempt, host=host, prewarmed=s.prewarmed)
     timings["agents_s"] = time.time() - t0
     warm = sum(1 for s in started if s.prewarmed)
     timings["prewarmed_hosts"] = warm

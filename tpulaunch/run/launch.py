@@ -28,6 +28,7 @@ from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.run import policy, recreate
 from tpulaunch.run.execute import Limits, Sink, execute
 from tpulaunch.run.paths import RunPaths
+from tpulaunch.run.timeline import Timeline
 from tpulaunch.run.prepare import LaunchRequest, Prepared, Target, recorded_slices
 from tpulaunch.run.status import RunState, RunView
 from tpulaunch.run.summary import Attempt, Outcome, RunSummary, exit_code_for
@@ -123,6 +124,9 @@ def _launch(prep: Prepared, sink: Sink, connection: Connection | None, paths: Ru
     plan, req = prep.plan, prep.request
     conn = connection or Connection(Target(prep.cluster), prep.runtime_env)
     t0 = time.monotonic()
+    timeline = Timeline(paths.events)
+    timeline.emit("run_start", run_id=plan.run_id, hosts=len(plan.hosts), slices=[s.name for s in plan.slices],
+                  emulated=plan.emulated)
     limits = Limits(
         schedule_timeout_s=req.schedule_timeout, preemption_grace_s=req.preemption_grace,
         deadline=t0 + req.timeout if req.timeout else None, stall_timeout_s=req.stall_timeout,
@@ -150,20 +154,24 @@ def _launch(prep: Prepared, sink: Sink, connection: Connection | None, paths: Ru
                     f"{plan.mesh.num_slices} x {plan.topology.accelerator_type} ({plan.topology.topology})"
                 )
                 t = time.monotonic()
+                timeline.emit("cluster_start", how="start")
                 early: list = []
                 owned = cluster = emulated.start_emulated(
                     list(plan.slices), plan.topology, dashboard=dashboard, progress=sink.progress,
                     on_head=lambda c: _early(c, conn, plan, early))
                 _wait(early, 60.0)  # every spare spawned before its host's start() can look for it
                 phases["cluster_start_s"] = time.monotonic() - t
+                timeline.emit("cluster_ready", how="start")
             else:
                 t = time.monotonic()
+                timeline.emit("cluster_start", how="connect")
                 conn.connect(cluster)
                 phases["connect_s"] = time.monotonic() - t
+                timeline.emit("cluster_ready", how="connect")
             sigs.raise_now = False
             save_record(cluster, paths.cluster)
             with reaper.in_use(cluster.temp_dir):
-                spent, note = _attempts(plan, req, sink, limits, sigs, cluster, attempts)
+                spent, note = _attempts(plan, req, sink, limits, sigs, cluster, attempts, timeline)
         except Interrupted as e:
             interrupted = e.signum
         finally:
@@ -176,6 +184,7 @@ def _launch(prep: Prepared, sink: Sink, connection: Connection | None, paths: Ru
             if plan.emulated and not req.keep_children:
                 stop_run_processes(plan.run_id)  # a host Ray could no longer reach (its node lost)
     summary = _summary(plan, attempts, spent, note, interrupted, time.monotonic() - t0, phases)
+    timeline.emit("run_end", outcome=str(summary.outcome), exit_code=summary.exit_code)
     paths.summary.write_text(json.dumps(summary.to_dict(), indent=2))
     return summary
 
@@ -211,15 +220,23 @@ def _keep(cluster: ClusterInfo, req: LaunchRequest, sink: Sink) -> bool:
 
 
 def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, sigs: Interrupts,
-              cluster: ClusterInfo, attempts: list[Attempt]) -> tuple[policy.Spent, str | None]:
+              cluster: ClusterInfo, attempts: list[Attempt], timeline: Timeline) -> tuple[policy.Spent, str | None]:
     """Run attempts until the policy finishes the run; returns what was spent and why it finished."""
     budgets = policy.Budgets(req.max_restarts, req.max_preemptions, req.kill_stale)
     spent = policy.Spent()
     gcs = None if cluster.address.startswith("ray://") else cluster.address
     current = plan
     while True:
-        a = execute(current, sink, limits, sigs, gcs_address=gcs)
+        timeline.emit("attempt_start", attempt=current.attempt)
+        a = execute(current, sink, limits, sigs, gcs_address=gcs, timeline=timeline)
         attempts.append(a)
+        timeline.attempt_over(current.attempt)
+        for h in a.hosts:  # each host's end: the last steps of a failed attempt are seen here only
+            timeline.emit("host_end", h.ended_at or h.last_seen or time.time(), attempt=current.attempt,
+                          host=h.process_index, step=h.step, exit_code=h.exit_code, failed=h.failed)
+        first = a.first_failure
+        timeline.emit("attempt_end", attempt=current.attempt, outcome=str(a.outcome), exit_code=a.exit_code,
+                      host=first.process_index if first else None, why=a.who)
         decision = policy.decide(a, budgets, spent)
         first = a.first_failure
         who = f"host {first.process_index} {first.reason}" if first else "the attempt"
@@ -236,10 +253,13 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
                 t0 = time.monotonic()
                 if req.recreate:
                     lost = sorted({current.hosts[h.process_index].slice_name for h in a.hosts if h.lost or h.preempted})
+                    timeline.emit("recreate_start", slices=lost)
                     try:
                         recs, slices = recreate.bring_back(cluster, lost, req.preemption_wait, sink.progress)
                     except TpulaunchError as e:
+                        timeline.emit("recreate_end", slices=lost, ok=False)
                         return spent, f"the slice was not made again within --preemption-wait {req.preemption_wait:g} s: {e.line()}"
+                    timeline.emit("recreate_end", slices=lost, ok=True)
                     a.recreated = [r.to_dict() for r in recs]
                     if recs:  # the Cloud TPU API's word: these hosts were not just lost, their slice was preempted
                         a.outcome = Outcome.PREEMPTED

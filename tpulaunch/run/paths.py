@@ -3,6 +3,7 @@
     <log dir>/<run id>/
         summary.json                      what happened (written once, at the end)
         status.json                       where a detached run is (kept up to date by its supervisor)
+        events.jsonl                      the run's timeline, appended as it goes (`run/timeline.py`)
         cluster.json                      the cluster it runs on (`tpulaunch stacks` finds it there)
         ray.log                           Ray's own output during the run
         attempt-<k>/host-<i>.log          everything host i printed in attempt k
@@ -28,6 +29,10 @@ class RunPaths:
     @property
     def summary(self) -> Path:
         return self.root / "summary.json"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events.jsonl"
 
     @property
     def status(self) -> Path:

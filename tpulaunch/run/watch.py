@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import signal
+from typing import Callable
 from dataclasses import dataclass
 
 from tpulaunch.host.protocol import PollReply
@@ -65,6 +66,8 @@ class AttemptWatch:
         self.attempt = attempt
         self.hosts = hosts
         self.rules = rules
+        # facts for the run's timeline (steps, checkpoints), recorded as they come; decides nothing
+        self.on_step: Callable[[int, PollReply], None] | None = None
         self.pending: set[int] = set(range(len(hosts)))
         self.activity = {i: now for i in self.pending}  # when the loop last saw a sign of life
         self.beat = {i: 0.0 for i in self.pending}  # the host's own last-activity stamp
@@ -97,6 +100,8 @@ class AttemptWatch:
         if reply.step is not None:
             self.steps.record(i, reply.step, now)
             r.step, r.step_rate = reply.step, self.steps.overall(i)
+        if self.on_step is not None and reply.step is not None:
+            self.on_step(i, reply)
         r.wall_s = reply.wall_s
         action: Action = None
         if reply.preempted and not r.preempted:

@@ -1,0 +1,87 @@
+"""Goodput of a real run on the shared emulated 2x8: a script that saves every 20 steps, fails once at
+step 50 (`--max-restarts 1`) and resumes from step 40; in the foreground and detached. The script
+uses only `tpulaunch.heartbeat` (no framework is booted: what is measured is the launcher's clock)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from support import run_cli, write_scripts
+
+STEP_S, SAVE_S, HOSTS = 0.1, 0.2, 4
+
+SCRIPT = f"""
+import json, os, sys, time
+import tpulaunch
+
+ctx = tpulaunch.context()
+ck = os.environ["CKPT"]
+start = json.load(open(ck))["step"] if os.path.exists(ck) else 0
+for step in range(start + 1, 71):
+    time.sleep({STEP_S})
+    tpulaunch.heartbeat(step=step)
+    if step % 20 == 0:
+        time.sleep({SAVE_S})
+        if ctx.process_index == 0:
+            json.dump({{"step": step}}, open(ck + ".tmp", "w"))
+            os.replace(ck + ".tmp", ck)
+        tpulaunch.heartbeat(step=step, checkpoint=True)
+    if step == 50 and ctx.restart_count == 0:
+        sys.exit(3)
+print("done", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return write_scripts(tmp_path_factory.mktemp("goodput"), {"train.py": SCRIPT})
+
+
+def _check(doc: dict) -> None:
+    assert doc["schema"] == "tpulaunch.goodput/v1"
+    b = doc["buckets"]
+    assert abs(sum(b.values()) - doc["wall_s"]) <= 0.02 * doc["wall_s"], (b, doc["wall_s"])
+    assert b["wasted_progress"] == pytest.approx(10 * STEP_S, abs=0.35), b  # steps 41..50, redone
+    assert b["productive"] == pytest.approx(70 * STEP_S, rel=0.15), b  # the 70 unique steps
+    assert b["checkpoint"] == pytest.approx(3 * SAVE_S, abs=0.2), b  # saves at 20, 40 (kept) and 60
+    assert [a["resume_step"] for a in doc["attempts"]] == [40, None]
+    assert doc["goodput"] == pytest.approx(b["productive"] / doc["wall_s"], rel=0.01)
+
+
+@pytest.mark.cluster
+def test_goodput_of_a_run_that_fails_once_and_resumes(shared_cluster, work, tmp_path):
+    env = shared_cluster["env"]
+    proc = run_cli("run", "train.py", "--topology", "2x8", "--address", "auto", "--framework", "none",
+                   "--max-restarts", "1", "--env", f"CKPT={tmp_path / 'ck.json'}", "--log-dir", str(tmp_path / "runs"),
+                   cwd=work, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "goodput " in proc.stderr and "productive" in proc.stderr  # the end of the run says it in one line
+    run_dir = next((tmp_path / "runs").iterdir())
+    doc = json.loads(run_cli("goodput", str(run_dir), "--json", env=env).stdout)
+    _check(doc)
+    last = json.loads(run_cli("goodput", "last", "--log-dir", str(tmp_path / "runs"), "--json", env=env).stdout)
+    assert last["run_id"] == doc["run_id"]
+    out = tmp_path / "trace.json"
+    traced = run_cli("trace", str(run_dir), "-o", str(out), env=env)
+    assert traced.returncode == 0, traced.stderr
+    trace = json.loads(out.read_text())
+    assert {e["tid"] for e in trace["traceEvents"]} == set(range(HOSTS + 1))  # the launcher and each host
+
+
+@pytest.mark.cluster
+def test_goodput_of_a_detached_run(shared_cluster, work, tmp_path):
+    env = shared_cluster["env"]
+    sub = run_cli("run", "train.py", "--topology", "2x8", "--address", "auto", "--framework", "none", "--detach",
+                  "--max-restarts", "1", "--env", f"CKPT={tmp_path / 'ck.json'}", cwd=work, env=env)
+    assert sub.returncode == 0, sub.stderr
+    run_id = sub.stdout.strip().splitlines()[-1]
+    wait = run_cli("wait", run_id, env=env, timeout=300)
+    assert wait.returncode == 0, wait.stderr
+    doc = json.loads(run_cli("goodput", run_id, "--json", env=env).stdout)
+    assert doc["run_id"] == run_id
+    _check(doc)
+    status = run_cli("status", run_id, env=env)
+    assert "goodput " in status.stderr, status.stderr
