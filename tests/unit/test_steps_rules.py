@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tpulaunch.errors import LaunchError
@@ -113,17 +115,27 @@ def test_heartbeat_step_is_what_the_agent_reads(tmp_path, monkeypatch):
     beat = tmp_path / "beat"
     beat.write_text("")
     monkeypatch.setenv(context.HEARTBEAT_ENV, str(beat))
-    monkeypatch.setattr(context, "_beat_fd", None)
+    for name, value in (("_beat_fd", None), ("_beat_t", 0.0), ("_saved", None), ("_first", None)):
+        monkeypatch.setattr(context, name, value)
     agent = HostAgent.__new__(HostAgent)  # only its file reading, no actor
     agent._heartbeat = str(beat)
-    assert agent._step() is None  # the script reported no step
+    assert agent._step() == {}  # the script reported no step
     context.heartbeat(step=7)
-    assert agent._step() == 7
+    got = agent._step()
+    assert got["step"] == 7 and got["first_step"][0] == 7 and "checkpoint" not in got
     context.heartbeat(step=123456)
     context.heartbeat()  # a plain beat keeps the step
-    assert agent._step() == 123456
+    assert agent._step()["step"] == 123456
     context.heartbeat(step=8)  # shorter number: the old digits do not survive
-    assert agent._step() == 8
+    assert agent._step()["step"] == 8
+    time.sleep(0.05)
+    context.heartbeat(step=8, checkpoint=True)  # the save of step 8 took the time since the last beat
+    context.heartbeat(step=9)
+    got = agent._step()
+    assert got["step"] == 9 and got["first_step"][0] == 7
+    step, save_s, age = got["checkpoint"]
+    assert step == 8 and 0.04 <= save_s < 1.0 and 0 <= age < 1.0
+    assert 0 <= got["step_age"] < 1.0 and got["first_step"][1] >= age  # ages: seconds ago, as the agent reads them
 
 
 def _info(run: str | None, attempt: int = 0, index: int = 0, hosts: int = 2) -> AgentInfo:
