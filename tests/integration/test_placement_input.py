@@ -87,12 +87,16 @@ def _run(shared_cluster, workdir, tmp_path, script, framework):
     return plan, _rows(proc)
 
 
+def _whole_global_batch(got: dict) -> None:
+    """Every host sees the slice's global batch: dataset rows 0..15, whole."""
+    assert got["shape"] == [ROWS, F] and got["sum"] == float(sum(range(ROWS * F)))
+
+
 @pytest.mark.cluster
 def test_torch_xla_minibatch_rows_land_on_their_hosts_devices(shared_cluster, workdir, tmp_path):
     plan, rows = _run(shared_cluster, workdir, tmp_path, "torch_rows.py", "torch_xla")
-    want_sum = float(sum(range(ROWS * F)))
     for host, got in rows.items():
-        assert got["shape"] == [ROWS, F] and got["sum"] == want_sum
+        _whole_global_batch(got)
         assert sum(plan["grid"], []) == got["grid"]  # the script's mesh is the plan's
         # every device holds rows of the host that owns it: host h's share is rows h, h+4, h+8, h+12
         assert sorted(int(d) for d in got["shards"]) == list(range(ROWS))
@@ -103,9 +107,8 @@ def test_torch_xla_minibatch_rows_land_on_their_hosts_devices(shared_cluster, wo
 @pytest.mark.cluster
 def test_jax_process_local_rows_land_on_their_hosts_devices(shared_cluster, workdir, tmp_path):
     plan, rows = _run(shared_cluster, workdir, tmp_path, "jax_rows.py", "jax")
-    want_sum = float(sum(range(ROWS * F)))
     for host, got in rows.items():
-        assert got["shape"] == [ROWS, F] and got["sum"] == want_sum
+        _whole_global_batch(got)
         assert len(got["shards"]) == 4  # this host's own devices
         for dev, ids in got["shards"].items():
             assert got["process_of"][dev] == host

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpulaunch import procfs
+from tpulaunch.cluster.worker_stop import below
 from tpulaunch.errors import StateError
 
 MARKER = "tpulaunch-cluster"  # the file inside a cluster's temp dir that says it is ours
@@ -122,16 +123,7 @@ def cluster_pids(cluster_id: str, temp_dir: str | None = None) -> list[int]:
     del temp_dir
     entry = f"{ID_ENV}={cluster_id}".encode()
     carriers = [p.pid for p in procfs.processes() if procfs.alive(p.pid) and entry in p.environ().split(b"\0")]
-    if not carriers:
-        return []
-    kids = procfs.children_map()
-    out, todo = set(carriers), list(carriers)
-    while todo:
-        for child in kids.get(todo.pop(), ()):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return sorted(out)
+    return below(carriers, procfs.children_map()) if carriers else []
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,17 @@ def alive(pid: int | str) -> bool:
         return False
 
 
+def below(roots: list[int], kids: dict[int, list[int]]) -> list[int]:
+    """`roots` and every process under them, given ppid -> children (shared with `ownership`)."""
+    out, todo = set(roots), list(roots)
+    while todo:
+        for child in kids.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return sorted(out)
+
+
 def members(cid: str) -> list[int]:
     """The processes started with the cluster's id, and every process below them (Ray's agents
     rename themselves, which can wipe their environment in /proc; they stay the raylet's
@@ -44,13 +55,7 @@ def members(cid: str) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
         kids.setdefault(ppid, []).append(int(e))
-    out, todo = set(carriers), list(carriers)
-    while todo:
-        for child in kids.get(todo.pop(), ()):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return sorted(out)
+    return below(carriers, kids)
 
 
 def gcs(pid: int) -> bool:
