@@ -85,6 +85,33 @@ no mesh for that shape. "hosts own rows": every row of the first axis on one hos
 {mesh_scores.table(rows)}"""
 
 
+def recovery_section(_ctx: dict) -> str:
+    sys.path.insert(0, str(HERE))
+    import recovery
+
+    r = recovery.measure()
+    rows = "".join(f"| {i + 1} | {x['recovery_s']:.1f} | {x['api_s']:.1f} | {x['setup_join_s']:.1f} | {x['overhead_s']:.1f} |\n"
+                   for i, x in enumerate(r["rows"]))
+    b = r["buckets"]
+    mean = sum(x["overhead_s"] for x in r["rows"]) / max(1, len(r["rows"]))
+    return f"""## Recovery through preemptions (fake Cloud TPU API, head off the slice)
+
+Measured on {datetime.date.today().isoformat()} (`scripts/bench.d/recovery.py`): a spot v4-16 (2 hosts), `cluster up --tpu
+--head local`, a detached run with `--recreate --max-preemptions 3` (0.3 s steps, a save every 2 steps),
+the slice preempted three times. Recovery: from the failure to the next attempt's first step
+(`tpulaunch goodput`); the fake API's part: deleting, creating and provisioning the slice again (its
+waits are the suite's, 0.2 s and 0.3 s); tpulaunch's overhead: the rest (noticing the loss, setting up and
+joining the new VMs, Ray seeing them whole, the relaunch and the script's start-up).
+
+| preemption | recovery (s) | fake API (s) | setup + join (s) | tpulaunch overhead (s) |
+| ---: | ---: | ---: | ---: | ---: |
+{rows}
+Mean overhead per preemption {mean:.1f} s. The run: wall {r['wall_s']:.1f} s, goodput {100 * r['goodput']:.0f}%
+(productive {b['productive']:.1f} s, checkpoint {b['checkpoint']:.1f} s, wasted {b['wasted_progress']:.1f} s, recovery
+{b['recovery']:.1f} s, cluster start {b['cluster_start']:.1f} s, idle {b['idle']:.1f} s).
+"""
+
+
 def _jax_version() -> str:
     import jax
 
@@ -449,7 +476,7 @@ budget is 1.5 s).
 
 SECTIONS = {"planning": planning_section, "mesh": mesh_section, "launch": launch_section, "steps": step_section, "scaling": scaling_section,
             "first_step": first_step_section, "preflight": preflight_section, "scale": scale_section,
-            "real_scale": real_scale_section}
+            "real_scale": real_scale_section, "recovery": recovery_section}
 MARK = "<!-- bench section: {} -->"
 
 

@@ -167,6 +167,7 @@ def analyze(events: list[dict], now: float | None = None) -> Goodput:
             b["startup_to_first_step"] += t_first - hosts_up
         else:
             b["recovery"] += max(0.0, t_first - failed_at)
+            row["recovery_s"] = round(max(0.0, t_first - failed_at), 3)  # from the last failure to this first step
         resume = None
         if this_failed:
             nxt = [int(e["step"]) for e in by[attempts[n + 1]] if e["kind"] == "step"]
