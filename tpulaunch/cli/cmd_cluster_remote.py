@@ -11,7 +11,6 @@ import math
 import os
 import sys
 import threading
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -84,9 +83,8 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
     """Ray on the workers of one TPU or several (a multislice cluster: one head off the slices,
     every slice's workers joined to it)."""
     from tpulaunch import discover
-    from tpulaunch.cluster import ownership
     from tpulaunch.cluster.ports import free_port
-    from tpulaunch.cluster.remote import LocalHead, RemoteSlice, route_ip
+    from tpulaunch.cluster.remote import LocalHead, RemoteCluster, route_ip
 
     if head not in ("worker-0", "local"):
         raise TpulaunchError(f"--head {head} is neither worker-0 nor local", "--head local puts the Ray head here")
@@ -116,27 +114,12 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
             ip = head_ip or route_ip(specs[0].workers[0].ip)
             local = LocalHead(ip=ip, temp_dir="", dashboard_port=free_port(), python=sys.executable)
     setup = setup if setup is not None else (rec.remote.setup if rec and rec.remote else None)
-    first = RemoteSlice(specs[0], port=port, temp_dir=temp_dir, python=python, dashboard=dashboard, head=local, setup=setup)
-    if local is not None and not local.temp_dir:
-        from tpulaunch.cluster.remote import cluster_id_of, ensure_token
-
-        _path, token, _created = ensure_token(first.key)
-        local = first.head = replace(local, temp_dir=ownership.make_temp_dir(cluster_id_of(token), state_dir()))
-    slices = [first] + [RemoteSlice(s, port=port, temp_dir=first.temp_dir, python=python, dashboard=dashboard, head=local,
-                                    setup=setup, key=first.key) for s in specs[1:]]
-    before = {s.name: [w.ip for w in s.workers] for s in (rec.slices if rec and rec.remote else [])}
+    cluster = RemoteCluster.new(specs, port=port, temp_dir=temp_dir, python=python, dashboard=dashboard, head=local,
+                                setup=setup, home=state_dir())
     n = sum(len(s.workers) for s in specs)
-    infos = []
     with out.status(f"bringing up Ray on {n} host(s) of {', '.join(tpus)} ...") as st:
         progress = HostProgress(out, st, {s.name: len(s.workers) for s in specs})
-        for rs in slices:
-            # the same TPU with other addresses: its VMs were re-created (after a preemption) since the record
-            replaced = rs.spec.name in before and before[rs.spec.name] != [w.ip for w in rs.spec.workers]
-            infos.append(rs.up(progress=progress.for_slice(rs.spec.name), replaced=replaced))
-    info = infos[0]
-    info.slices = [i.slices[0] for i in infos]
-    assert info.remote is not None
-    info.remote = replace(info.remote, tpus=tuple(s.name for s in specs))
+        info = cluster.up(progress.for_slice, before=rec)
     save_record(info)
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,
@@ -149,13 +132,13 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
 
 
 def status_doc_remote(info: ClusterInfo) -> dict:
-    from tpulaunch.cluster.remote import RemoteSlice
+    from tpulaunch.cluster.remote import RemoteCluster
     from tpulaunch.discover import ray_labels
 
-    rs = RemoteSlice.from_record(info)
-    q = rs.query()  # over gcloud ssh to worker 0: Ray's ports are internal to the slice
+    cluster = RemoteCluster.of(info)
+    q = cluster.status_query()  # over gcloud ssh to worker 0: Ray's ports are internal to the slice
     if not q["head"]:
-        raise ClusterError(f"the Ray head of TPU '{rs.spec.name}' ({rs.address}) does not answer",
+        raise ClusterError(f"the Ray head of TPU '{cluster.names[0]}' ({info.address}) does not answer",
                            "start it again with `tpulaunch cluster up --tpu ...`")
     nodes = q["nodes"]
     found = ray_labels.slices_from_nodes(nodes, {n["NodeID"]: n.get("Available") or {} for n in nodes})
@@ -177,18 +160,14 @@ def _our_token_file(path: str) -> bool:
 
 
 def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
-    from tpulaunch.cluster.remote import recorded_slices
+    from tpulaunch.cluster.remote import RemoteCluster
 
-    slices = recorded_slices(rec)
-    many = len(slices) > 1
-    n = sum(len(rs.spec.workers) for rs in slices)
-    names = ", ".join(rs.spec.name for rs in slices)
-    results: dict[str, dict] = {}
+    cluster = RemoteCluster.of(rec)
+    n = sum(len(rs.spec.workers) for rs in cluster.slices)
+    names = ", ".join(cluster.names)
     with out.status(f"stopping Ray on {n} host(s) of {names} ...") as st:
-        progress = HostProgress(out, st, {rs.spec.name: len(rs.spec.workers) for rs in slices})
-        for i, rs in enumerate(slices):  # the head (off the slices) after the last slice's workers
-            got = rs.down(progress=progress.for_slice(rs.spec.name), stop_head=i == len(slices) - 1)
-            results.update({("head" if w == -1 else f"{rs.spec.name}/{w}" if many else str(w)): r for w, r in got.items()})
+        progress = HostProgress(out, st, {rs.spec.name: len(rs.spec.workers) for rs in cluster.slices})
+        results = cluster.down(progress.for_slice)
     bad = {w: (r.get("error") or f"{len(r['left'])} process(es) left") for w, r in results.items()
            if r.get("error") or r.get("left")}
     if bad:

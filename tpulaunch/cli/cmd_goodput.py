@@ -11,8 +11,6 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Optional
-
 import typer
 from rich.table import Table
 from rich.text import Text

@@ -411,9 +411,74 @@ class RemoteSlice:
         return results
 
 
-def recorded_slices(info: ClusterInfo) -> list[RemoteSlice]:
-    """Every slice of a recorded cluster on TPUs, the first holding (or first joined to) the head."""
-    return [RemoteSlice.from_record(info, i) for i in range(len(info.slices))]
+@dataclass
+class RemoteCluster:
+    """One Ray cluster on real TPU slices: its slices in order (the first holds, or first joined,
+    the head), sharing one head and one token. The one owner of how they fit together: `cluster
+    up`, `status`, `down` and the re-creation of a preempted slice all go through it."""
+
+    slices: list[RemoteSlice]
+
+    @staticmethod
+    def new(specs: list[SliceSpec], *, port: int, temp_dir: str | None, python: str, dashboard: bool,
+            head: LocalHead | None, setup: str | None, home: Path) -> "RemoteCluster":
+        """A cluster to bring up on `specs`; a head here (`head`) gets its marked temp dir under
+        `home` (the state directory) once the cluster's token is known."""
+        from tpulaunch.cluster import ownership
+
+        first = RemoteSlice(specs[0], port=port, temp_dir=temp_dir, python=python, dashboard=dashboard, head=head,
+                            setup=setup)
+        if first.head is not None and not first.head.temp_dir:
+            _path, token, _created = ensure_token(first.key)
+            first.head = replace(first.head, temp_dir=ownership.make_temp_dir(cluster_id_of(token), home))
+        rest = [RemoteSlice(s, port=port, temp_dir=first.temp_dir, python=python, dashboard=dashboard, head=first.head,
+                            setup=setup, key=first.key) for s in specs[1:]]
+        return RemoteCluster([first, *rest])
+
+    @staticmethod
+    def of(info: ClusterInfo) -> "RemoteCluster":
+        """The cluster a record describes."""
+        return RemoteCluster([RemoteSlice.from_record(info, i) for i in range(len(info.slices))])
+
+    @property
+    def names(self) -> list[str]:
+        return [rs.spec.name for rs in self.slices]
+
+    def up(self, progress_for: Callable[[str], Progress], before: ClusterInfo | None = None) -> ClusterInfo:
+        """Ray on every slice's workers (the head first, with the first slice), idempotent; the
+        cluster's record, one for all its slices. `before`: its record, if it was up (a TPU whose
+        VMs have other addresses now was re-created since: its workers join afresh)."""
+        was = {s.name: [w.ip for w in s.workers] for s in (before.slices if before and before.remote else [])}
+        infos = [rs.up(progress=progress_for(rs.spec.name),
+                       replaced=rs.spec.name in was and was[rs.spec.name] != [w.ip for w in rs.spec.workers])
+                 for rs in self.slices]
+        info = infos[0]
+        info.slices = [i.slices[0] for i in infos]
+        assert info.remote is not None
+        info.remote = replace(info.remote, tpus=tuple(self.names))
+        return info
+
+    def status_query(self) -> dict:
+        """What the head says of its nodes (asked over ssh to worker 0, or here when the head is)."""
+        return self.slices[0].query()
+
+    def down(self, progress_for: Callable[[str], Progress]) -> dict[str, dict]:
+        """Every slice's Ray processes stopped, the head (off the slices) after the last slice's
+        workers: {"head" | "<slice>/<worker>" (several slices) | "<worker>": what was stopped}."""
+        many = len(self.slices) > 1
+        out: dict[str, dict] = {}
+        for i, rs in enumerate(self.slices):
+            got = rs.down(progress=progress_for(rs.spec.name), stop_head=i == len(self.slices) - 1)
+            out.update({("head" if w == -1 else f"{rs.spec.name}/{w}" if many else str(w)): r for w, r in got.items()})
+        return out
+
+    def rejoin(self, info: ClusterInfo, index: int, fresh: SliceSpec, progress: Progress, wait_s: float) -> None:
+        """Slice `index` was made again (new VMs): set them up, join them to the head (whose address
+        stays: it is off the slices) and keep the record's slice current."""
+        rs = self.slices[index]
+        rs.spec = fresh
+        rs.up(progress=progress, replaced=True, replaced_wait_s=wait_s)
+        info.slices[index] = fresh
 
 
 # -- `cluster join`: on a TPU VM itself ------------------------------------------------------------

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Sequence
 
-from tpulaunch.plan.topology import Coord, Topology
+from tpulaunch.plan.topology import Topology
 
 if TYPE_CHECKING:
     import numpy as np  # imported where a layout is computed: a host that only unpickles its plan needs none

@@ -112,14 +112,12 @@ def analyze(events: list[dict], now: float | None = None) -> Goodput:
     by = {a: [e for e in ev if e.get("attempt") == a] for a in attempts}
     out_attempts: list[dict] = []
     failed_at: float | None = None  # when the previous attempt's failure happened
-    resume_prev: int | None = None
     for n, a in enumerate(attempts):
         es = by[a]
         a_start = next(e["t"] for e in es if e["kind"] == "attempt_start")
         a_end_e = next((e for e in es if e["kind"] == "attempt_end"), None)
         a_end = a_end_e["t"] if a_end_e else t_end
         pf_s = spans("preflight_start", "preflight_end", attempt=a)
-        pf_end = next((e["t"] for e in es if e["kind"] == "preflight_end"), a_start)
         starts = [e["t"] for e in es if e["kind"] == "host_start"]
         hosts_up = max(starts) if starts else a_end
         steppers = sorted({e["host"] for e in es if e["kind"] == "step"})
@@ -184,7 +182,6 @@ def analyze(events: list[dict], now: float | None = None) -> Goodput:
         row.update(first_step=s0, resume_step=resume, last_step=max(s for _, s in samples),
                    productive_s=round(max(0.0, kept - saves), 3), wasted_s=round(stop - t_resume, 3))
         failed_at = stop if this_failed else None
-        resume_prev = resume if this_failed else None
         out_attempts.append(row)
     wall = max(0.0, t_end - t_start)
     b["idle"] = max(0.0, wall - sum(v for k, v in b.items() if k != "idle"))

@@ -111,7 +111,7 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
     come back one by one (the others keep running); the slices of one multislice queued resource
     are suspended together by the service, so they are made again together."""
     from tpulaunch import discover
-    from tpulaunch.cluster.remote import RemoteSlice
+    from tpulaunch.cluster.remote import RemoteCluster
     from tpulaunch.provision import capacity
     from tpulaunch.errors import NodeNotFoundError
 
@@ -150,12 +150,9 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
             name = specs[i].name
             fresh = discover.describe_node(name, zone=zone, project=project)
             say(f"slice {name}: ACTIVE again ({len(fresh.workers)} workers): setting up and joining the head")
-            rs = RemoteSlice.from_record(cluster, i)
-            rs.spec = fresh
             # the head is off the slices (`refusal`): its address stays, only the workers are new
-            rs.up(progress=lambda w, s, name=name: say(f"slice {name} worker {w}: {s}"), replaced=True,
-                  replaced_wait_s=max(1.0, end - time.monotonic()))
-            cluster.slices[i] = fresh
+            RemoteCluster.of(cluster).rejoin(cluster, i, fresh, lambda w, s, name=name: say(f"slice {name} worker {w}: {s}"),
+                                             max(1.0, end - time.monotonic()))
         rec.steps["setup_join_s"] = time.monotonic() - t
         save_record(cluster)  # the record follows the new VMs (status, down, the next re-creation)
         done.append(rec)

@@ -13,7 +13,6 @@ from tpulaunch.host import frameworks
 from tpulaunch.host.agent import agent_for
 from tpulaunch.plan.launch import build_plan
 from tpulaunch.plan.mesh import plan_mesh
-from tpulaunch.plan.slicespec import SliceSpec
 
 
 def prewarm_cluster(info: ClusterInfo, framework: str = "torch_xla", timeout_s: float = 60.0) -> int:
