@@ -79,7 +79,7 @@ def test_a_detached_runs_env_values_reach_its_hosts_and_nothing_else(shared_clus
     secret = "tlsecret-" + secrets.token_hex(12)
     digest = hashlib.sha256(secret.encode()).hexdigest()
     sub = run_cli("run", "probe.py", "--topology", "2x8", "--address", "auto", "--framework", "none", "--detach",
-                  "--env", f"TL_PROBE_SECRET={secret}", "--", "20", cwd=work, env=shared_cluster["env"])
+                  "--env", f"TL_PROBE_SECRET={secret}", "--", "600", cwd=work, env=shared_cluster["env"])
     assert sub.returncode == 0, sub.stderr
     run_id = sub.stdout.strip().splitlines()[-1]
     assert secret not in sub.stdout + sub.stderr
@@ -103,8 +103,8 @@ def test_a_detached_runs_env_values_reach_its_hosts_and_nothing_else(shared_clus
     # the request was read once and is gone from the cluster's store
     with pytest.raises(Exception, match="404"):
         api._request("GET", "/api/packages/gcs/" + detached.request_uri(run_id).removeprefix("gcs://"))
-    wait = run_cli("wait", run_id, env=shared_cluster["env"], timeout=200)
-    assert wait.returncode == 0, wait.stderr
+    stop = run_cli("stop", run_id, env=shared_cluster["env"], timeout=200)  # its files are written as it ends
+    assert stop.returncode == 0, stop.stderr
     temp = Path(shared_cluster["info"]["token_path"]).parent  # the head is this machine: the run's files
     status_file = Path(ray_temp_dir(str(temp))) / "session_latest" / "logs" / detached.RUNS_SUBDIR / run_id / "status.json"
     seen["status.json"] = status_file.read_text()

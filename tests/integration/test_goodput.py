@@ -11,7 +11,7 @@ import pytest
 
 from support import run_cli, write_scripts
 
-STEP_S, SAVE_S, HOSTS = 0.1, 0.2, 4
+STEP_S, SAVE_S, HOSTS = 0.05, 0.1, 4
 
 SCRIPT = f"""
 import json, os, sys, time
@@ -44,9 +44,9 @@ def _check(doc: dict) -> None:
     assert doc["schema"] == "tpulaunch.goodput/v1"
     b = doc["buckets"]
     assert abs(sum(b.values()) - doc["wall_s"]) <= 0.02 * doc["wall_s"], (b, doc["wall_s"])
-    assert b["wasted_progress"] == pytest.approx(10 * STEP_S, abs=0.35), b  # steps 41..50, redone
-    assert b["productive"] == pytest.approx(70 * STEP_S, rel=0.15), b  # the 70 unique steps
-    assert b["checkpoint"] == pytest.approx(3 * SAVE_S, abs=0.2), b  # saves at 20, 40 (kept) and 60
+    assert b["wasted_progress"] == pytest.approx(10 * STEP_S, abs=0.2), b  # steps 41..50, redone
+    assert b["productive"] == pytest.approx(70 * STEP_S, rel=0.2), b  # the 70 unique steps
+    assert b["checkpoint"] == pytest.approx(3 * SAVE_S, abs=0.1), b  # saves at 20, 40 (kept) and 60
     assert [a["resume_step"] for a in doc["attempts"]] == [40, None]
     assert doc["goodput"] == pytest.approx(b["productive"] / doc["wall_s"], rel=0.01)
 

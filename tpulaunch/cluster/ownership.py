@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpulaunch import procfs
-from tpulaunch.cluster.worker_stop import below
+from tpulaunch.cluster.processes import names_dir
+from tpulaunch.cluster.worker_stop import below, is_rays
 from tpulaunch.errors import StateError
 
 MARKER = "tpulaunch-cluster"  # the file inside a cluster's temp dir that says it is ours
@@ -115,14 +116,22 @@ def check_temp_dir(temp_dir: object, cluster_id: object, record: str, home: Path
 
 
 def cluster_pids(cluster_id: str, temp_dir: str | None = None) -> list[int]:
-    """Live processes of the cluster: started with `TPULAUNCH_CLUSTER_ID=<cluster_id>`, and every
-    process below one of those (Ray's agents and workers rename themselves, which can wipe what
-    /proc shows of their environment, but they stay the raylet's children). Never a process just
-    because it holds a file of the cluster open (a user's `tail -f` of a Ray log is theirs).
-    `temp_dir` is accepted for the callers' symmetry and no longer read."""
-    del temp_dir
+    """Live processes of the cluster: started with `TPULAUNCH_CLUSTER_ID=<cluster_id>`, every process
+    below one of those, and (given its verified `temp_dir`) Ray's own processes of this user holding
+    a file open inside it. Ray's agents rename themselves (`ray::DashboardAgent`), which can wipe what
+    /proc shows of their environment, and when their raylet dies they are nobody's children any
+    more. A process that merely holds a file there (a user's `tail -f` of a Ray log) is not the
+    cluster's."""
     entry = f"{ID_ENV}={cluster_id}".encode()
-    carriers = [p.pid for p in procfs.processes() if procfs.alive(p.pid) and entry in p.environ().split(b"\0")]
+    me = os.getuid()
+    carriers = []
+    for p in procfs.processes():
+        if not procfs.alive(p.pid):
+            continue
+        if entry in p.environ().split(b"\0"):
+            carriers.append(p.pid)
+        elif temp_dir and p.uid() == me and is_rays(p.cmdline()) and names_dir(p, temp_dir):
+            carriers.append(p.pid)
     return below(carriers, procfs.children_map()) if carriers else []
 
 

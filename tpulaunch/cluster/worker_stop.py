@@ -35,10 +35,36 @@ def below(roots: list[int], kids: dict[int, list[int]]) -> list[int]:
     return sorted(out)
 
 
-def members(cid: str) -> list[int]:
-    """The processes started with the cluster's id, and every process below them (Ray's agents
-    rename themselves, which can wipe their environment in /proc; they stay the raylet's
-    children). Never a process just because it holds a file of the cluster open."""
+def is_rays(cmdline: bytes) -> bool:
+    """One of Ray's own processes, by its command line (its agents and workers retitle themselves
+    `ray::...`; the raylet and the GCS are binaries of those names). Shared with `ownership`."""
+    first = cmdline.split(b"\0", 1)[0]
+    return first.startswith(b"ray::") or first.endswith((b"/raylet", b"/gcs_server"))
+
+
+def holds_inside(pid: str, d: str) -> bool:
+    """`pid` holds a file open inside `d`, or names it as an argument."""
+    inside = d.rstrip("/") + "/"
+    try:
+        args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        if any(a == d or a.startswith(inside) for a in args):
+            return True
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(inside):
+                    return True
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return False
+
+
+def members(cid: str, d: str = "", marked: bool = False) -> list[int]:
+    """The processes started with the cluster's id, Ray's own processes holding files in the
+    marked dir `d` (its agents rename themselves, which can wipe their environment in /proc, and
+    are orphans once their raylet dies), and every process below those. Never another process
+    just because it holds a file of the cluster open (a user's `tail -f`)."""
     entry = ("TPULAUNCH_CLUSTER_ID=" + cid).encode()
     carriers, kids = [], {}
     for e in os.listdir("/proc"):
@@ -50,12 +76,28 @@ def members(cid: str) -> list[int]:
             env = []
         if entry in env:
             carriers.append(int(e))
+        elif marked and _mine(e) and is_rays(_cmdline(e)) and holds_inside(e, d):  # a renamed agent, orphaned
+            carriers.append(int(e))
         try:
             ppid = int(open(f"/proc/{e}/stat").read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
         kids.setdefault(ppid, []).append(int(e))
     return below(carriers, kids)
+
+
+def _mine(pid: str) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return b""
 
 
 def gcs(pid: int) -> bool:
@@ -71,20 +113,20 @@ def stop(temp_dir: str, cid: str) -> dict:
         marked = json.load(open(os.path.join(d, MARKER))).get("cluster_id") == cid and not os.path.islink(d)
     except (OSError, ValueError, AttributeError):
         marked = False
-    found = members(cid)
+    found = members(cid, d, marked)
     # the node's processes first, the GCS (on the head) last: a GCS told to stop together with the
     # processes that report to it outlived SIGTERM for the whole grace (down took 10.5 s, now 0.9 s)
     for sig, wait, which in ((signal.SIGTERM, 10.0, lambda p: not gcs(p)), (signal.SIGTERM, 10.0, gcs),
                              (signal.SIGKILL, 5.0, lambda p: True)):
-        for pid in [p for p in members(cid) if which(p)]:
+        for pid in [p for p in members(cid, d, marked) if which(p)]:
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass
         end = time.monotonic() + wait
-        while time.monotonic() < end and [p for p in members(cid) if which(p)]:
+        while time.monotonic() < end and [p for p in members(cid, d, marked) if which(p)]:
             time.sleep(0.2)
-    left = members(cid)
+    left = members(cid, d, marked)
     if not left and marked:
         shutil.rmtree(d, ignore_errors=True)
     return {"stopped": len(found), "left": left, "removed": bool(not left and marked)}
