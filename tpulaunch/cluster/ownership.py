@@ -115,6 +115,12 @@ def check_temp_dir(temp_dir: object, cluster_id: object, record: str, home: Path
     return temp_dir
 
 
+def cluster_running(cluster_id: str) -> bool:
+    """Does any live process carry the cluster's id? (The first one answers: no walk below it.)"""
+    entry = f"{ID_ENV}={cluster_id}".encode()
+    return any(procfs.alive(p.pid) and entry in p.environ().split(b"\0") for p in procfs.processes())
+
+
 def cluster_pids(cluster_id: str, temp_dir: str | None = None) -> list[int]:
     """Live processes of the cluster: started with `TPULAUNCH_CLUSTER_ID=<cluster_id>`, every process
     below one of those, and (given its verified `temp_dir`) Ray's own processes of this user holding

@@ -80,14 +80,14 @@ def start(temp_dir: str, cluster_id: str, idle_s: float) -> None:
 
 def main(argv: list[str]) -> int:
     from tpulaunch.cluster.emulated import stop_owned
-    from tpulaunch.cluster.ownership import cluster_pids
+    from tpulaunch.cluster.ownership import cluster_running
     from tpulaunch.cluster.record import clear_record, load_record
     from tpulaunch.errors import TpulaunchError
 
     temp_dir, cluster_id, idle_s = bytes.fromhex(argv[0]).decode(), argv[1], float(argv[2])
     while True:
         time.sleep(min(CHECK_EVERY_S, idle_s / 3))
-        if not cluster_pids(cluster_id):
+        if not cluster_running(cluster_id):
             return 0
         try:
             idle = time.time() - os.stat(os.path.join(temp_dir, "last_used")).st_mtime

@@ -158,7 +158,7 @@ class ClusterInfo:
             ownership.check_temp_dir(self.temp_dir, self.cluster_id, "")
         except StateError:
             return False
-        return bool(ownership.cluster_pids(self.cluster_id))
+        return ownership.cluster_running(self.cluster_id)
 
     def to_dict(self) -> dict:
         """The record's JSON form (schema `tpulaunch.cluster/v2`)."""
