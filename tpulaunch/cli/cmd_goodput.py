@@ -86,14 +86,14 @@ def load_events(run: str, log_dir: str, address: str) -> list[dict]:
     return timeline.read(newest[1])
 
 
-def _bars(events: list[dict], width: int = 60) -> list[tuple[str, Text]]:
-    """Per host, the run's wall time as a bar: start-up `s`, steps `=`, redone steps `x`, gaps `.`."""
+def _bars(events: list[dict], g: goodput.Goodput, width: int = 60) -> list[tuple[str, Text]]:
+    """Per host, the run's wall time as a bar: start-up `s`, steps `=`, redone steps `x`, gaps `.`
+    (`g`: the run's goodput, for where each attempt's redone steps began)."""
     if not events:
         return []
     t0 = min(e["t"] for e in events)
     t1 = max(e["t"] for e in events)
     span = max(t1 - t0, 1e-6)
-    g = goodput.analyze(events)
     resume = {r["attempt"]: r.get("resume_step") for r in g.attempts}
     hosts = sorted({e["host"] for e in events if isinstance(e.get("host"), int)})
     out = []
@@ -149,7 +149,7 @@ def goodput_cmd(run: str = RUN, log_dir: str = LOG_DIR, address: str = ADDRESS, 
             table.add_row(k, f"{v:.1f}", f"{100 * v / g.wall_s:.0f}%" if g.wall_s else "-")
         out.result(table)
         bars = Table.grid(padding=(0, 1))
-        for name, bar in _bars(events):
+        for name, bar in _bars(events, g):
             bars.add_row(name, bar)
         out.result(bars)
         out.line("bars: s start-up, = steps that counted, x steps redone, ~ a script's time without steps")

@@ -139,14 +139,11 @@ def ring_hops(t: Topology, grid: np.ndarray) -> list[float | None]:
 
 def snake(bounds: Sequence[int]) -> list[tuple[int, ...]]:
     """Boustrophedon walk over a box, first coordinate fastest: consecutive points are neighbours."""
-    pts: list[tuple[int, ...]] = [(i,) for i in range(bounds[0])] if bounds else [()]
-    for n in bounds[1:]:
-        pts = [p + (j,) for j in range(n) for p in (pts if j % 2 == 0 else pts[::-1])]
-    return pts
+    return [tuple(int(v) for v in p) for p in _snake_array(bounds)]
 
 
 def _snake_array(sizes: Sequence[int]) -> np.ndarray:
-    """`snake(sizes)` as an array `(prod(sizes), len(sizes))` (first coordinate fastest)."""
+    """The boustrophedon walk (`snake`) as an array `(prod(sizes), len(sizes))`, first coordinate fastest."""
     import numpy as np
 
     pts = np.arange(sizes[0], dtype=np.int64)[:, None]
