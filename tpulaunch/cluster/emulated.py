@@ -297,6 +297,11 @@ def stop_owned(cluster_id: str, temp_dir: str | None, grace_s: float = 1.0) -> i
 
     procfs.stop(find, grace_s)
     procfs.reap(seen)  # the nodes this process started are its (subreaper) children: none left a zombie
+    # ... nor an agent of theirs that exited, orphaned to us, after `seen` was taken (a zombie's
+    # command line is empty; its name keeps Ray's title)
+    ours = procfs.child_pids(os.getpid()) or []
+    procfs.reap([c for c in ours if procfs.Process(c).state() == "Z"
+                 and (procfs.Process(c).name().startswith("ray::") or procfs.Process(c).name() in ("raylet", "gcs_server"))])
     if verified:
         shutil.rmtree(verified, ignore_errors=True)
     return len(pids)
