@@ -174,7 +174,7 @@ def run_cmd(
     mesh: Optional[str] = opt.MESH,
     dcn: Optional[str] = opt.DCN,
     placement: str = opt.PLACEMENT,
-    framework: str = typer.Option("auto", "--framework", "-f", help="torch_xla, jax, none (boot no framework), or auto (from the script's imports)."),
+    framework: str = typer.Option("auto", "--framework", "-f", help="torch_xla, jax, torch_tpu (one process per device), none (boot no framework), or auto (from the script's imports)."),
     env: Optional[List[str]] = opt.ENV,
     env_file: Optional[List[str]] = opt.ENV_FILE,
     show_env: bool = opt.SHOW_ENV,

@@ -18,7 +18,9 @@ import random
 import socket
 
 LOWEST = 10000  # below it: well-known and registered services
-_handed_out: set[int] = set()  # ports this process promised already (their owners may not have bound them yet)
+# Ports a host process binds at fixed numbers, never to hand out: torch_tpu's MASTER_PORT and its
+# compiled-collective handshake (plan/torch_tpu.py; its 8070+ and 8080+ are below LOWEST)
+_handed_out: set[int] = {29500, 36423}  # ports this process promised already (their owners may not have bound them yet)
 
 
 def _ephemeral_low() -> int:

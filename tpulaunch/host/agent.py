@@ -700,14 +700,15 @@ class HostAgent:
     # -- where is it stuck --------------------------------------------------------------------
 
     def dump_stacks(self, timeout_s: float = 20.0) -> str:
-        """`py-spy dump` of the host process: every Python thread's stack, innermost frame first."""
+        """`py-spy dump` of the host process and its children (a torch_tpu host's one per device):
+        every Python thread's stack, innermost frame first."""
         h = self._host
         if h is None or not h.alive:
             return "(the host process had already ended)"
         exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
         try:
             with HostProcess.spawning:  # a leftover sweep never sees it unnamed
-                proc = subprocess.Popen([exe, "dump", "--pid", str(h.proc.pid)], stdout=subprocess.PIPE,
+                proc = subprocess.Popen([exe, "dump", "--subprocesses", "--pid", str(h.proc.pid)], stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True)
                 self._helpers.add(proc.pid)
         except OSError as e:

@@ -77,7 +77,7 @@ def _record_phases(phases: dict[str, float]) -> None:
             pass
 
 
-def boot(state: HostState) -> dict[str, float]:
+def boot(state: HostState, local_rank: int | None = None) -> dict[str, float]:
     """Import and boot the framework, build the mesh, install `context()`/`get_mesh()`.
 
     What every host process does before user code, under `tpulaunch run` and in a Ray Train
@@ -90,7 +90,7 @@ def boot(state: HostState) -> dict[str, float]:
     fw.boot(state)
     t2 = time.time()
     mesh = fw.build_mesh(state.mesh, state)
-    ctx_mod._install(ctx_mod.RunContext(state), mesh)
+    ctx_mod._install(ctx_mod.RunContext(state, local_rank), mesh)
     return {"started_s": t0 - _T0, "import_s": t1 - t0, "boot_s": t2 - t1, "mesh_s": time.time() - t2}
 
 
@@ -100,17 +100,22 @@ def main(argv: list[str]) -> int:
     with open(argv[0], "rb") as f:
         state: HostState = pickle.load(f)
     fw = frameworks.get(state.framework)
+    local_rank = int(argv[2]) if argv[1:2] == ["--rank"] else None
+    if getattr(fw, "processes_per_device", False) and local_rank is None:
+        from tpulaunch.host import ranks  # this host's process starts one process per device
+
+        return ranks.run(state, argv[0])
     try:
-        phases = boot(state)
+        phases = boot(state, local_rank)
         started = phases.pop("started_s")
         if not _SPARE[0]:  # a spare imported before its run came: the run paid only what was left
             phases["import_s"] += started
         _record_phases({**phases, "spare": float(_SPARE[0])})
     except TpulaunchError as e:
-        print(f"tpulaunch: host {state.process_index}: {e.line()}", file=sys.stderr)
+        print(f"tpulaunch: host {state.process_index}{_of_rank(local_rank)}: {e.line()}", file=sys.stderr)
         return EXIT_BOOT_FAILED
     except Exception:  # noqa: BLE001 - report and fail this host
-        print(f"tpulaunch: host {state.process_index}: framework boot failed", file=sys.stderr)
+        print(f"tpulaunch: host {state.process_index}{_of_rank(local_rank)}: framework boot failed", file=sys.stderr)
         traceback.print_exc()
         return EXIT_BOOT_FAILED
     ctx_mod.heartbeat()  # booted: a sign of life for --stall-timeout before the script prints
@@ -132,6 +137,10 @@ def main(argv: list[str]) -> int:
             # a failed host must leave at once so the launch fails fast.
             fw.shutdown()
     return code
+
+
+def _of_rank(local_rank: int | None) -> str:
+    return "" if local_rank is None else f" local rank {local_rank}"
 
 
 def _flush() -> None:

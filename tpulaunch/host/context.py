@@ -20,16 +20,18 @@ if TYPE_CHECKING:
 class RunContext:
     """Facts about this process's place in the launch: a read-only view of its `HostState`."""
 
-    __slots__ = ("state",)
+    __slots__ = ("state", "local_index")
 
-    def __init__(self, state: "HostState") -> None:
+    def __init__(self, state: "HostState", local_index: int | None = None) -> None:
         object.__setattr__(self, "state", state)
+        # torch_tpu: this process's device on its host (one process per device); None: one process per host
+        object.__setattr__(self, "local_index", local_index)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("RunContext is read-only")
 
     def __reduce__(self) -> tuple:
-        return RunContext, (self.state,)
+        return RunContext, (self.state, self.local_index)
 
     def __repr__(self) -> str:
         return (f"RunContext(run_id={self.run_id!r}, process_index={self.process_index}, num_processes="
@@ -107,13 +109,35 @@ class RunContext:
 
     @property
     def rank(self) -> int:
-        """torch.distributed's word for `process_index` (the rank in the slice's gloo group)."""
-        return self.process_index
+        """This process's rank in the job's default process group: `process_index` (one process per
+        host), or under torch_tpu (one per device) process_index x devices per host + local_rank."""
+        if self.local_index is None:
+            return self.process_index
+        return self.process_index * self.state.job.topology.devices_per_host + self.local_index
+
+    @property
+    def local_rank(self) -> int:
+        """The process's index on its host: its device under torch_tpu, else 0."""
+        return self.local_index or 0
+
+    @property
+    def local_world_size(self) -> int:
+        """Processes on this host: its devices under torch_tpu, else 1."""
+        return 1 if self.local_index is None else self.state.job.topology.devices_per_host
 
     @property
     def world_size(self) -> int:
-        """torch.distributed's word for `num_processes` (one process per TPU host)."""
-        return self.num_processes
+        """Processes in the job: `num_processes` (one per TPU host), or under torch_tpu one per device."""
+        return self.num_processes * self.local_world_size
+
+    @property
+    def device(self) -> str:
+        """The torch device type this process computes on: "tpu" (torch_tpu), "xla" (torch_xla),
+        "cpu" on an emulated torch_tpu host, "" for JAX and none."""
+        fw = self.state.job.framework
+        if fw == "torch_tpu":
+            return "cpu" if self.emulated else "tpu"
+        return "xla" if fw == "torch_xla" else ""
 
 
 _STATE: dict[str, Any] = {"ctx": None, "mesh": None}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 from tpulaunch.errors import LaunchError
+from tpulaunch.plan import torch_tpu
 from tpulaunch.plan.contract import MEGASCALE_PORT, Endpoints, HostSlot, HostState, Job
 from tpulaunch.plan.env import host_env
 from tpulaunch.plan.mesh import MeshPlan
@@ -191,10 +192,15 @@ class LaunchPlan:
             "num_slices": self.mesh.num_slices,
             "slices": [s.to_dict() for s in self.slices],
             "mesh": self.mesh.to_dict(devices=False),
-            "hosts": [{"process_index": h.process_index, "slice_index": h.slice_index, "worker_id": h.worker_id,
-                       "slice_name": h.slice_name, "ip": h.ip, "env": self.env(h.process_index)}
-                      for h in self.hosts],
+            "hosts": [self._host_dict(h) for h in self.hosts],
         }
+
+    def _host_dict(self, h: HostSlot) -> dict:
+        doc = {"process_index": h.process_index, "slice_index": h.slice_index, "worker_id": h.worker_id,
+               "slice_name": h.slice_name, "ip": h.ip, "env": self.env(h.process_index)}
+        if self.framework == "torch_tpu":  # one process per device: what each adds to the host's env
+            doc["processes"] = [p.to_dict() for p in torch_tpu.processes(self.state(h.process_index))]
+        return doc
 
 
 def build_plan(

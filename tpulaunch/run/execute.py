@@ -23,13 +23,14 @@ from tpulaunch.discover.ray_labels import WORKER as LABEL_WORKER
 from tpulaunch.errors import ClusterError
 from tpulaunch.host.agent import agent_for, retire_other_agents
 from tpulaunch.host.protocol import AgentInfo, HostOptions
+from tpulaunch.host.ranks import PREFIX_RE as RANK_PREFIX_RE
 from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.run import watch as W
 from tpulaunch.run.fleet import Fleet, RayFleet, Reply, reachable
 from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.timeline import Timeline
 from tpulaunch.run.status import RunState, RunView
-from tpulaunch.run.summary import Attempt, HostResult
+from tpulaunch.run.summary import Attempt, Cause, HostResult
 
 HEAD_PROBE_EVERY_S = 2.0
 STATUS_EVERY_S = 2.0  # how often the sink hears where every host is
@@ -67,6 +68,9 @@ class Limits:
     watch_preemption: bool = False  # ask the metadata server for preemption notices
     keep_warm: bool = False  # the cluster outlives the run: leave a spare process on every host
     keep_children: bool = False  # leave what a host's script started running after it exits
+    # a host that failed by exiting: how long after its exit its node may take to be seen gone
+    # (`lost_with_their_nodes`); the run sets it when a lost host can be survived (--max-preemptions)
+    node_settle_s: float = 0.0
     preflight: bool = True  # check every host (versions, ports, chips, ids) before any script starts
     straggler_ratio: float = 0.7  # name a host below this x the median step rate (0: never)
     debug: bool = False  # say more (why a host did not get a spare)
@@ -85,6 +89,16 @@ class HostLogs:
     def write(self, process: int, lines: tuple[tuple[str, str], ...]) -> None:
         with open(self.path(process), "a", encoding="utf-8", errors="replace") as f:
             f.write("".join(text + "\n" for _stream, text in lines))
+        by_rank: dict[str, list[str]] = {}  # a host of one process per device: its lines come as "[rank R] ..."
+        for _stream, text in lines:
+            m = RANK_PREFIX_RE.match(text)
+            if m:
+                by_rank.setdefault(m.group(1), []).append(text[m.end():])
+        for rank, texts in by_rank.items():
+            path = self.paths.rank_log(self.attempt, process, int(rank))
+            path.parent.mkdir(exist_ok=True)
+            with open(path, "a", encoding="utf-8", errors="replace") as f:
+                f.write("".join(t + "\n" for t in texts))
 
     def touch(self, process: int) -> None:
         self.path(process).touch()
@@ -186,6 +200,8 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
                 fleet = RayFleet(agents, raylets)
                 probe = (lambda: reachable(gcs_address)) if gcs_address else None
                 head_lost = drive(plan, fleet, watch, sink, logs, limits, interrupts, timings, probe, t0, timeline)
+                if not head_lost:
+                    lost_with_their_nodes(fleet, watch.hosts, limits.node_settle_s, sink)
     except KeyboardInterrupt:
         import signal
 
@@ -267,6 +283,33 @@ def _preflight(plan: LaunchPlan, fleet: Fleet, options: HostOptions, watch: W.At
         watch.preflight_failed(watch.findings)
         return False
     return True
+
+
+def lost_with_their_nodes(fleet: RayFleet, hosts: list[HostResult], settle_s: float, sink: Sink) -> list[int]:
+    """Hosts that failed by exiting while their node went away are lost with it, not failed.
+
+    A VM that goes away (preempted, its node stopped) ends its processes in no set order: the
+    script may die first (SIGKILL; SIGTERM at a shutdown) and its agent report that exit before
+    the agent and the raylet are gone, so the loop heard `killed by signal 9`, not a loss, and
+    the run ended as the script's failure (--max-restarts) instead of surviving the preemption
+    (--max-preemptions, --recreate). At the attempt's end, each such host whose Ray node no
+    longer answers is lost with it (waiting until `settle_s` after its exit was heard for the
+    node to go; a failure of the script's own leaves the node up). Returns their indices."""
+    suspects = [i for i, r in enumerate(hosts) if r.cause is Cause.EXITED and r.exit_code not in (None, 0)
+                and not (r.stopped_by_tpulaunch or r.lost or r.preempted) and fleet.raylets[i]]
+    end = max((hosts[i].last_seen or 0.0 for i in suspects), default=0.0) + settle_s
+    gone: list[int] = []
+    while suspects:
+        for i in [i for i in suspects if fleet.node_gone(i)]:
+            suspects.remove(i)
+            gone.append(i)
+            r = hosts[i]
+            r.lost, r.cause, r.reason = True, Cause.NODE_LOST, f"node lost (its process {r.reason} as it went)"
+            sink.progress(f"host {r.process_index}: its Ray node is gone too: {r.reason}")
+        if not suspects or time.time() >= end:
+            break
+        time.sleep(0.25)
+    return sorted(gone)
 
 
 def _raylets(infos: list[AgentInfo]) -> list[str]:

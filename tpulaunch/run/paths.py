@@ -55,6 +55,10 @@ class RunPaths:
     def host_stacks(self, k: int, process_index: int) -> Path:
         return self.attempt(k) / f"host-{process_index}.stacks.txt"
 
+    def rank_log(self, k: int, process_index: int, rank: int) -> Path:
+        """One process of a host that runs one per device (torch_tpu): `host-<i>/rank-<r>.log`."""
+        return self.attempt(k) / f"host-{process_index}" / f"rank-{rank}.log"
+
     def stacks_dump(self, k: int, when: str) -> Path:
         """`tpulaunch stacks` while the run goes on: one directory per call."""
         return self.attempt(k) / f"stacks-{when}"

@@ -20,6 +20,7 @@ from tpulaunch.cluster.ports import free_port
 from tpulaunch.cluster.record import ClusterInfo, load_record
 from tpulaunch.errors import LaunchError, StateError, TpulaunchError
 from tpulaunch.host import frameworks
+from tpulaunch.plan import torch_tpu
 from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache, new_run_id, parse_env
 from tpulaunch.plan.mesh import MAX_SLICES, plan_mesh
 
@@ -222,7 +223,10 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
         frameworks.require_installed(fw)
     mesh = plan_mesh(resolved.topology, req.mesh, req.slices.dcn, resolved.num_slices, req.placement)
     run_id = req.run_id or new_run_id()
-    port = req.coordinator_port or (free_port() if emulated else 8476)
+    if fw == "torch_tpu":
+        torch_tpu.check_generation(resolved.topology)
+    # MASTER_PORT on a slice: torch_xla's and JAX's usual 8476; torch_tpu's own 29500
+    port = req.coordinator_port or (free_port() if emulated else (torch_tpu.MASTER_PORT if fw == "torch_tpu" else 8476))
     plan = build_plan(
         slices=list(resolved.slices), mesh=mesh, script=script, args=req.args, framework=fw,
         user_env=parse_env(list(req.env)), run_id=run_id, coordinator_port=port,

@@ -89,6 +89,7 @@ class HostResult:
     cause: Cause | None = None
     step: int | None = None  # the last step it reported (`tpulaunch.heartbeat(step=N)`)
     step_rate: float | None = None  # steps/s from its first reported step to its last, in this attempt
+    rank: int | None = None  # a host of one process per device (torch_tpu): the rank that failed it
 
     @property
     def failed(self) -> bool:

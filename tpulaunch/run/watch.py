@@ -19,6 +19,7 @@ from typing import Callable
 from dataclasses import dataclass
 
 from tpulaunch.host.protocol import PollReply
+from tpulaunch.host.ranks import FAILED_RE as RANK_FAILED_RE
 from tpulaunch.run.status import HostPhase, HostView
 from tpulaunch.run.steps import StepRates
 from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome, exit_code_for, exit_reason, first_failure, outcome_of
@@ -97,6 +98,12 @@ class AttemptWatch:
         self.last_activity[i] = reply.activity
         if reply.lines:
             self.last_line[i] = reply.lines[-1][1]
+            if r.rank is None:
+                for _stream, text in reply.lines:
+                    m = RANK_FAILED_RE.match(text)
+                    if m:  # the host's process names the process of its that failed first
+                        r.rank, r.reason = int(m.group(1)), f"rank {m.group(1)} (local rank {m.group(3)}) {m.group(4)}"
+                        break
         if reply.step is not None:
             self.steps.record(i, reply.step, now)
             r.step, r.step_rate = reply.step, self.steps.overall(i)
@@ -189,7 +196,7 @@ class AttemptWatch:
             r.cause = Cause.PREEMPTED if r.preempted else (Cause.STOPPED if r.stopped_by_tpulaunch else Cause.EXITED)
         self.pending.discard(i)
         if code != 0 and not r.stopped_by_tpulaunch:
-            return self._fail_fast(f"host {r.process_index} {exit_reason(code)}")
+            return self._fail_fast(f"host {r.process_index} {r.reason if r.rank is not None else exit_reason(code)}")
         return None
 
     def _fail_fast(self, what: str, grace_s: float | None = None, source: int | None = None) -> Action:

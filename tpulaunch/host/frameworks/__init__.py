@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 _ADAPTERS = {
     "torch_xla": "tpulaunch.host.frameworks.torch_xla",
     "jax": "tpulaunch.host.frameworks.jax",
+    "torch_tpu": "tpulaunch.host.frameworks.torch_tpu",
     "none": "tpulaunch.host.frameworks.none",
 }
 
@@ -79,6 +80,8 @@ def detect(script_text: str) -> tuple[str, str]:
                 roots.add(node.module.split(".")[0])
     except SyntaxError:
         return "torch_xla", "the script does not parse; defaulting to torch_xla"
+    if "torch_tpu" in roots or ("torch_xla" not in roots and "tpu_dist" in script_text):
+        return "torch_tpu", "the script uses torch_tpu (PyTorch's TPU backend)"
     if "jax" in roots and "torch_xla" not in roots:
         return "jax", "the script imports jax"
     if "torch_xla" in roots:

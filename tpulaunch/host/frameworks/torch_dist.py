@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 # that destroys it and makes its own group over env:// must not reach a listener that is closing.
 # It is held weakly too: a strong reference would keep that store alive after the user destroys
 # the group.
-_OURS: dict[str, Any] = {"group": lambda: None, "rank": None, "world": None}
+_OURS: dict[str, Any] = {"group": lambda: None, "rank": None, "world": None, "backends": ("gloo", "cpu:gloo")}
 
 
 def dist_timeout() -> datetime.timedelta:
@@ -42,17 +42,19 @@ def dist_timeout() -> datetime.timedelta:
 
 def init_slice_group(state: "HostState") -> None:
     """Open the slice's gloo group (tcp:// to the coordinator) and let user inits adopt it."""
+    init_group("gloo", f"tcp://{state.endpoints.group_address}", state.process_index, state.num_processes)
+
+
+def init_group(backend: str, init_method: str, rank: int, world_size: int,
+               also_satisfies: tuple[str, ...] = ()) -> None:
+    """Open the default group and let a user's `init_process_group` that asks for no more (or for
+    one of `also_satisfies`, backends this group stands in for) adopt it."""
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{state.endpoints.group_address}",
-        rank=state.process_index,
-        world_size=state.num_processes,
-        timeout=dist_timeout(),
-    )
-    _OURS.update(group=weakref.ref(dist.distributed_c10d._get_default_group()), rank=state.process_index,
-                 world=state.num_processes)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=dist_timeout())
+    _OURS.update(group=weakref.ref(dist.distributed_c10d._get_default_group()), rank=rank, world=world_size,
+                 backends=(backend, f"cpu:{backend}", *also_satisfies))
     _install_adoption()
 
 
@@ -65,7 +67,7 @@ def _is_ours_and_alive() -> bool:
 
 def _satisfied_by_ours(arguments: dict) -> bool:
     backend = arguments.get("backend")
-    backend_ok = backend is None or str(backend).lower() in ("gloo", "cpu:gloo", "undefined")
+    backend_ok = backend is None or str(backend).lower() in (*_OURS["backends"], "undefined")
     return (backend_ok
             and int(arguments.get("world_size", -1)) in (-1, _OURS["world"])
             and int(arguments.get("rank", -1)) in (-1, _OURS["rank"])

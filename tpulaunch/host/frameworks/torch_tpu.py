@@ -1,0 +1,87 @@
+"""TorchTPU (torch-tpu, PyTorch's native TPU backend) adapter: one process per TPU device.
+
+The host process does not boot anything itself: `host/ranks.py` starts one child per device with
+the contract `plan/torch_tpu.py` computed, and each child boots here: the default process group
+over every rank of the job (`tpu_dist` on a TPU, `env://` from `MASTER_ADDR`/`MASTER_PORT`), then
+the mesh, a `torch.distributed.device_mesh.DeviceMesh` over the ranks laid out by the plan.
+
+Emulation: each child is a CPU process; the group is gloo and the mesh `DeviceMesh("cpu", ...)`
+of the same shape, names and ranks. A script's own `init_process_group("tpu_dist")` (written for
+the slice) is handed that group, so device-agnostic FSDP2 / DTensor code runs as it would on the
+slice. What differs: no `tpu` device (tensors live on the CPU), no compiled collectives.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from tpulaunch.errors import LaunchError, MeshMismatchError
+
+if TYPE_CHECKING:
+    from tpulaunch.plan.contract import HostState
+    from tpulaunch.plan.mesh import MeshPlan
+    from tpulaunch.plan.topology import Topology
+
+TPU_BACKENDS = ("tpu_dist", "tpu", "cpu:gloo,tpu:tpu_dist")  # what scripts for the slice ask for
+
+
+def device_type(state: "HostState") -> str:
+    return "cpu" if state.emulated else "tpu"
+
+
+class TorchTPU:
+    name = "torch_tpu"
+    extra = "torch_tpu"
+    import_name = "torch"  # the driver needs no torch_tpu: the hosts do (and emulation needs none)
+    processes_per_device = True
+
+    def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
+        # several processes share an emulated host's cores: one thread each, as torchrun sets
+        return {"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu"}
+
+    def preload(self) -> None:
+        import torch  # noqa: F401  (with torch-tpu installed this loads its backend too)
+        import torch.distributed  # noqa: F401
+        import torch.distributed.device_mesh  # noqa: F401
+
+    def boot(self, state: "HostState") -> None:
+        import torch
+
+        from tpulaunch.host.frameworks import torch_dist
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if state.emulated:
+            torch_dist.init_group("gloo", "env://", rank, world, also_satisfies=TPU_BACKENDS)
+            return
+        tpu = getattr(torch, "tpu", None)
+        if tpu is None or not tpu.is_available():
+            raise LaunchError(
+                "torch has no usable 'tpu' device on this host (torch-tpu not installed, or no TPU found)",
+                "pip install 'tpulaunch[torch_tpu]' in the hosts' environment (torch >= 2.11), or emulate with --topology",
+            )
+        torch_dist.init_group("tpu_dist", "env://", rank, world, also_satisfies=TPU_BACKENDS)
+
+    def build_mesh(self, plan: "MeshPlan", state: "HostState") -> Any:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        world = dist.get_world_size()
+        if world != plan.num_devices:
+            raise MeshMismatchError(
+                f"the job has {world} processes but the planned mesh {dict(zip(plan.axis_names, plan.shape))}"
+                f" needs {plan.num_devices}",
+                "the slice does not match --topology/--num-slices",
+            )
+        # a rank is a device id of the plan (host-major, then local index): the grid is the mesh
+        ranks = torch.tensor(plan.grid(), dtype=torch.int)
+        return DeviceMesh(device_type(state), ranks, mesh_dim_names=tuple(plan.axis_names))
+
+    def shutdown(self) -> None:
+        from tpulaunch.host.frameworks import torch_dist
+
+        torch_dist.shutdown()
+
+
+ADAPTER = TorchTPU()
