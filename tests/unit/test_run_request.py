@@ -116,7 +116,11 @@ def test_bad_input_is_one_line_exit_2(workdir, args, needle):
     assert "Traceback" not in proc.stderr
 
 
-def test_address_auto_without_cluster_fails_clearly(workdir, tmp_path):
+def test_address_auto_without_cluster_fails_clearly(workdir, tmp_path, monkeypatch):
+    from tpulaunch.cluster import connect
+
+    # a VM's Ray that another test (run beside this tier) started under /tmp is not this machine's state
+    monkeypatch.setattr(connect, "LOCAL_RAY_ROOT", tmp_path)
     env = cli_env(TPULAUNCH_HOME=str(tmp_path))
     proc = invoke("run", "allreduce.py", "--topology", "2x8", "--address", "auto", cwd=workdir, env=env)
     assert proc.returncode == 5

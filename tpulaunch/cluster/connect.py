@@ -71,9 +71,12 @@ def resolve_address(address: str | None) -> ClusterInfo | None:
                        emulated=False)
 
 
+LOCAL_RAY_ROOT = Path("/tmp")  # where `cluster join` keeps a VM's Ray temp dir (tpl-*)
+
+
 def _local_ray_address() -> ClusterInfo | None:
     """On a TPU VM where Ray runs (e.g. after `tpulaunch cluster join`): the address Ray wrote."""
-    candidates = sorted(Path("/tmp").glob("tpl-*/ray_current_cluster"))  # tpulaunch's (`cluster join`), not a plain `ray start`
+    candidates = sorted(LOCAL_RAY_ROOT.glob("tpl-*/ray_current_cluster"))  # tpulaunch's (`cluster join`), not a plain `ray start`
     # Emulated clusters (they keep their token inside their temp dir) belong to whoever started them.
     live = [p for p in candidates
             if p.exists() and p.stat().st_uid == os.getuid()  # another user's Ray is not ours to pick
