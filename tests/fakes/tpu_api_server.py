@@ -403,10 +403,12 @@ class FakeTpuApi:
         return 200, {"queuedResources": qrs} if qrs else {}
 
     # -- capacity: what tests do to the fake (in process, or through the control endpoint)
-    def preempt(self, node_id: str) -> None:
+    def preempt(self, node_id: str, shutdown_s: float = 0.0) -> None:
         """Google Cloud preempts a spot slice: the node goes PREEMPTED, its VMs stop at once (their
         processes killed, their disks gone); a queued resource goes SUSPENDING, then SUSPENDED with
-        its nodes deleted. A plain spot node stays PREEMPTED until someone deletes it."""
+        its nodes deleted. A plain spot node stays PREEMPTED until someone deletes it. With
+        `shutdown_s`, the VMs shut down as a soft-off does, in no order that spares the launcher:
+        the scripts (processes with no child) end first, the rest (agents, raylets) `shutdown_s` later."""
         with self._lock:
             self._advance()
             name = self._node_name(node_id)
@@ -414,7 +416,7 @@ class FakeTpuApi:
             node["state"] = "PREEMPTED"
             node.pop("health", None)
             self.events.append(f"preempt {node_id}")
-            kill_workers(name)
+            kill_workers(name, shutdown_s)
             qr = self.queued_resources.get(node.get("queuedResource") or "")
             if qr is not None and qr["state"]["state"] == "ACTIVE":
                 qr["state"] = {"state": "SUSPENDING", "stateInitiator": "SERVICE"}
@@ -437,7 +439,7 @@ class FakeTpuApi:
     def _control(self, path: str, doc: dict) -> tuple[int, dict]:
         if path == "/_fake/preempt":
             try:
-                self.preempt(doc["node"])
+                self.preempt(doc["node"], float(doc.get("shutdown_s") or 0.0))
             except KeyError:
                 return _error(404, f"fake: no node {doc.get('node')!r}")
             return 200, {}
@@ -689,26 +691,35 @@ def _shape(node: dict) -> tuple[str, str, str, int, int] | None:
     return acc, family, topo, chips // per_host, per_host
 
 
-def kill_workers(node_name: str) -> list[int]:
+def kill_workers(node_name: str, shutdown_s: float = 0.0) -> list[int]:
     """SIGKILL every process the fake gcloud started on a VM of `node_name` (they carry
     FAKE_GCLOUD_VM=project/zone/node/worker), then wipe those VMs' disks (their /tmp copies): what
-    a preempted or deleted VM leaves behind is nothing."""
+    a preempted or deleted VM leaves behind is nothing. With `shutdown_s`, the processes with no
+    child among them (the scripts) go first and the others `shutdown_s` later."""
     _, project, _, zone, _, node_id = node_name.split("/")
     mark = f"FAKE_GCLOUD_VM={project}/{zone}/{node_id}/".encode()
-    killed = []
+    found: dict[int, int] = {}  # pid -> ppid
     for e in os.listdir("/proc"):
         if not e.isdigit() or int(e) == os.getpid():
             continue
         try:
             env = Path(f"/proc/{e}/environ").read_bytes().split(b"\0")
-        except OSError:
+            ppid = int(Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
         if any(v.startswith(mark) for v in env):
+            found[int(e)] = ppid
+    leaves = [p for p in found if p not in found.values()] if shutdown_s else []
+    killed = []
+    for batch in (leaves, [p for p in found if p not in leaves]):
+        for pid in batch:
             try:
-                os.kill(int(e), signal.SIGKILL)
-                killed.append(int(e))
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
             except OSError:
                 pass
+        if batch is leaves and leaves:
+            time.sleep(shutdown_s)
     end = time.monotonic() + 10
     while killed and time.monotonic() < end and any(_alive(p) for p in killed):
         time.sleep(0.05)

@@ -84,10 +84,11 @@ def cli(cloud, *args: str, timeout: float = 240, **env: str) -> subprocess.Compl
     return run_cli(*args, env={**cloud["env"], **env}, cwd=cloud["base"], timeout=timeout)
 
 
-def preempt(cloud, node: str) -> None:
-    """What Google Cloud does to a spot slice, through the fake's test-only control endpoint."""
-    req = urllib.request.Request(cloud["api"].url + "/_fake/preempt", data=json.dumps({"node": node}).encode(),
-                                 method="POST")
+def preempt(cloud, node: str, shutdown_s: float = 0.0) -> None:
+    """What Google Cloud does to a spot slice, through the fake's test-only control endpoint; with
+    `shutdown_s` its VMs' scripts die that long before their agents and raylets (a soft-off)."""
+    doc = {"node": node, "shutdown_s": shutdown_s}
+    req = urllib.request.Request(cloud["api"].url + "/_fake/preempt", data=json.dumps(doc).encode(), method="POST")
     urllib.request.urlopen(req, timeout=30).read()
 
 
@@ -225,7 +226,9 @@ def test_a_multislice_run_recreates_only_the_preempted_slice_and_the_budget_coun
                     "--env", "STEPS_AFTER_RESUME=100000")
     wait_for_checkpoints(cloud, run_id)
     mark = len(api.events)
-    preempt(cloud, MS[1])
+    # the VM's script dies a second before its agent and raylet: its agent reports `killed by signal
+    # 9` first, and the supervisor must still see a preempted slice, not the script's failure
+    preempt(cloud, MS[1], shutdown_s=1.0)
     wait_for_attempt_1(cloud, run_id)
     # only ms-b was deleted and made again; ms-a's VM and its Ray node were left alone
     assert api.events[mark:] == [f"preempt {MS[1]}", f"delete {MS[1]}", f"create {MS[1]}"]

@@ -167,10 +167,14 @@ class RayFleet:
             return Cause.NODE_LOST, "node preempted"
         if "node has died" in str(err).lower():
             return Cause.NODE_LOST, "node lost"
-        raylet = self.raylets[i]
-        if raylet and not reachable(raylet):
+        if self.node_gone(i):
             return Cause.NODE_LOST, "node lost"
         return Cause.AGENT_DIED, "agent died"
+
+    def node_gone(self, i: int) -> bool:
+        """Host `i`'s Ray node no longer answers (its raylet refuses connections); False when unknown."""
+        raylet = self.raylets[i]
+        return bool(raylet) and not reachable(raylet)
 
     def stop(self, hosts: Iterable[int], grace_s: float) -> None:
         for i in hosts:

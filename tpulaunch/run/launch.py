@@ -34,6 +34,11 @@ from tpulaunch.run.status import RunState, RunView
 from tpulaunch.run.summary import Attempt, Outcome, RunSummary, exit_code_for
 
 
+# A host whose process failed as its VM went away: how long after its exit its Ray node may take
+# to be seen gone, for the loss to count as a preemption (`execute.lost_with_their_nodes`)
+NODE_SETTLE_S = 5.0
+
+
 class Interrupted(BaseException):
     """A SIGINT/SIGTERM while something blocking ran (cluster start, connect)."""
 
@@ -133,6 +138,7 @@ def _launch(prep: Prepared, sink: Sink, connection: Connection | None, paths: Ru
         kill_stale=req.kill_stale, debug=debug, keep_warm=prep.cluster is not None or req.keep_cluster,
         keep_children=req.keep_children, preflight=req.preflight, straggler_ratio=req.straggler_ratio,
         watch_preemption=not plan.emulated or "TPULAUNCH_METADATA_HOST" in plan.job.user_env,
+        node_settle_s=NODE_SETTLE_S if req.max_preemptions else 0.0,
     )
     attempts: list[Attempt] = []
     phases: dict[str, float] = {}  # launch-level timings (the attempts add theirs)
