@@ -2,7 +2,9 @@
 
 * the FSDP2 recipe on an emulated v5p 2x2x2 (2 hosts x 4 processes) trains to a falling loss;
 * a held-out FSDP2 / DTensor / DCP script that imports nothing of ours runs on two slices of v5p-8
-  (`--num-slices 2`: 2 hosts x 4 processes) and sees the contract the plan lists in `--dry-run`;
+  (`--num-slices 2`: 2 hosts x 4 processes) and sees the contract the plan lists in `--dry-run`,
+  in an environment of its own (`--python`: a venv with torch but no torch_xla, JAX, Ray or
+  tpulaunch: the host's bootstrap and the torch_tpu adapter run there);
 * on that cluster, kept warm, a process SIGKILLed on one host is blamed by host and rank, every
   log is kept and no process is left behind.
 """
@@ -13,6 +15,9 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -23,7 +28,7 @@ from test_faults import Launch, _assert_logs, _assert_nothing_left, _run_id
 SCRIPTS = {
     # device-agnostic, as written for the slice: nothing of tpulaunch's
     "held_out.py": """
-        import json, os, sys
+        import importlib.util, json, os, sys
         import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
@@ -63,7 +68,9 @@ SCRIPTS = {
         keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "NNODES", "MASTER_ADDR", "TORCH_TPU_TOPOLOGY",
                 "TORCH_TPU_SLICEBUILDER_ADDRESSES", "TORCH_TPU_DEVICES_PER_HOST", "MEGASCALE_SLICE_ID",
                 "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_PORT")
+        found = [m for m in ("torch_xla", "jax", "ray") if importlib.util.find_spec(m) is not None]
         print("RESULT " + json.dumps({"rank": rank, "world": world, "pid": os.getpid(), "dtensor": dtensor_ok,
+                                      "prefix": sys.prefix, "found": found,
                                       "restored": restored, "first": losses[0], "last": losses[-1],
                                       "env": {k: os.environ.get(k) for k in keys}}), flush=True)
         dist.destroy_process_group()
@@ -83,6 +90,20 @@ TWO_SLICES = ["--topology", "2x2x1", "--accelerator", "v5p", "--num-slices", "2"
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     return write_scripts(tmp_path_factory.mktemp("torch-tpu"), SCRIPTS)
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> str:
+    """A venv holding this one's packages (links) except torch_xla, JAX, Ray and tpulaunch itself."""
+    env = tmp_path_factory.mktemp("bare-env")
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(env)], check=True)
+    ours = Path(sysconfig.get_paths()["purelib"])
+    (theirs,) = env.glob("lib/python*/site-packages")
+    for entry in ours.iterdir():
+        if not re.match(r"(torch_xla|jax|jaxlib|ray|libtpu|tpulaunch|__editable__|_tpulaunch|__pycache__)", entry.name):
+            (theirs / entry.name).symlink_to(entry)
+    return str(env / "bin" / "python")
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +132,9 @@ def test_the_fsdp2_recipe_trains_on_an_emulated_v5p_2x2x2(home, tmp_path):
     assert summary["attempts"][0]["hosts"][0]["step"] == 14  # the processes' heartbeats reach their host's
 
 
-def test_a_held_out_fsdp2_script_runs_on_two_emulated_slices(home, workdir, tmp_path):
-    args = ["held_out.py", *TWO_SLICES, "--log-dir", str(tmp_path)]
+def test_a_held_out_fsdp2_script_runs_on_two_emulated_slices_in_an_environment_without_torch_xla(
+        home, workdir, tmp_path, bare_python):
+    args = ["held_out.py", *TWO_SLICES, "--log-dir", str(tmp_path), "--python", bare_python]
     dry = json.loads(run_cli("run", *args, "--dry-run", "--json", env=home, cwd=workdir).stdout)
     proc = run_cli("run", *args, "--keep-cluster", "--", str(tmp_path / "ckpt"), env=home, timeout=400, cwd=workdir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -122,6 +144,7 @@ def test_a_held_out_fsdp2_script_runs_on_two_emulated_slices(home, workdir, tmp_
     planned = {p["rank"]: p["env"] for h in dry["hosts"] for p in h["processes"]}
     for rank, r in results.items():
         assert r["world"] == 8 and r["dtensor"] and r["restored"]
+        assert r["found"] == [] and r["prefix"] == str(Path(bare_python).parent.parent)
         assert r["last"] < 0.5 * r["first"]
         node, local = divmod(rank, 4)
         env = r["env"]

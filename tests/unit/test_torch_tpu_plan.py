@@ -191,3 +191,16 @@ def test_the_framework_is_detected_and_a_hosts_lines_name_their_rank():
     m = ranks.FAILED_RE.match(line)
     assert m and m.groups()[:4] == ("13", "3", "1", "exit 3")
     assert ranks.PREFIX_RE.match(ranks.prefix(13) + "hello").group(1) == "13"
+
+
+def test_python_must_be_an_absolute_path_and_here_an_executable(tmp_path):
+    import sys
+
+    from tpulaunch.run.prepare import check_python
+
+    with pytest.raises(LaunchError, match="is not an absolute path"):
+        check_python("python3", emulated=False)
+    with pytest.raises(LaunchError, match="is not an executable on this machine"):
+        check_python(str(tmp_path / "nothing"), emulated=True)
+    check_python(str(tmp_path / "on-the-hosts-only"), emulated=False)  # a real slice's path is the hosts' business
+    check_python(sys.executable, emulated=True)

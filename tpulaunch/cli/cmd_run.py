@@ -207,6 +207,10 @@ def run_cmd(
         help="Persistent XLA compilation cache on every host (JAX default: ~/.cache/tpulaunch/xla-cache/jax/<slice>;"
              " torch_xla 2.9 cannot load its cache, so it has none unless given)."),
     no_compile_cache: bool = typer.Option(False, "--no-compile-cache", help="Compile from scratch every run."),
+    python: Optional[str] = typer.Option(
+        None, "--python", metavar="PATH",
+        help="The interpreter each host runs the script with: the environment of the training stack (torch_tpu needs"
+             " torch >= 2.11, which cannot share a venv with torch_xla 2.9). It needs no tpulaunch of its own."),
     keep_cluster: bool = typer.Option(False, "--keep-cluster",
                                       help="Leave the emulated cluster this run starts up; the next runs use it (warm)."),
     idle_timeout: float = typer.Option(1800.0, "--idle-timeout", metavar="SECONDS",
@@ -238,7 +242,7 @@ def run_cmd(
         max_preemptions=max_preemptions, preemption_wait=preemption_wait, preemption_grace=preemption_grace,
         recreate=recreate,
         keep_cluster=keep_cluster, idle_timeout=idle_timeout, compile_cache=compile_cache,
-        no_compile_cache=no_compile_cache,
+        no_compile_cache=no_compile_cache, python=python,
     )
     raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run, detach=detach, attach_stop=attach_stop,
                                  show_env=show_env))

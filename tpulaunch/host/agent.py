@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import hashlib
 import json
 import os
 import pickle
@@ -163,6 +164,21 @@ def read_beat(path: str) -> dict:
 def exit_code_of(returncode: int) -> int:
     """Popen's `-N` (killed by signal N) becomes the shell's `128+N`."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def package_path() -> str:
+    """A directory holding only `tpulaunch` (a link to this package): on the PYTHONPATH of a host
+    process in another interpreter (`--python`), it finds the bootstrap and nothing else of ours."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256(package.encode()).hexdigest()[:12]
+    root = os.path.join(tempfile.gettempdir(), f"tpulaunch-pkg-{os.getuid()}-{digest}")
+    link = os.path.join(root, "tpulaunch")
+    if not os.path.islink(link):
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        tmp = f"{link}.{os.getpid()}"
+        os.symlink(package, tmp)
+        os.replace(tmp, link)
+    return root
 
 
 def spare_env(state: HostState) -> dict[str, str]:
@@ -421,14 +437,21 @@ class HostAgent:
             per_run.update({"TPULAUNCH_STATE": path, HEARTBEAT_ENV: self._heartbeat, TIMINGS_ENV: self._timings})
             cwd = options.cwd or os.getcwd()
             command = list(state.job.command)
-            spare, why = (None, "a command, not a script") if command else self._take_spare(state)
+            python = state.job.python
+            if command or python:
+                spare, why = None, "a command, not a script" if command else "--python: the script's own interpreter"
+            else:
+                spare, why = self._take_spare(state)
             try:
                 if spare is not None:
                     spare.hand_state({"state": path, "env": per_run, "cwd": cwd})
                     self._host = spare
                 else:
-                    argv = command or [sys.executable, "-m", "tpulaunch.host.bootstrap", path]
-                    self._host = HostProcess(argv, {**host_env(), **static, **per_run}, cwd, leftovers=self._leftovers)
+                    argv = command or [python or sys.executable, "-m", "tpulaunch.host.bootstrap", path]
+                    env = {**host_env(), **static, **per_run}
+                    if python:  # the bootstrap runs from this tpulaunch, nothing else of this environment
+                        env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_path(), env.get("PYTHONPATH"))))
+                    self._host = HostProcess(argv, env, cwd, leftovers=self._leftovers)
                 self._host.keep_children = options.keep_children
             except OSError as e:
                 self._host = None
@@ -601,6 +624,8 @@ class HostAgent:
     def prewarm(self, state: HostState) -> bool:
         """Start a spare with `state`'s framework imported and the environment runs like it share."""
         framework = state.framework
+        if state.job.python:  # a spare would be this environment's interpreter, not the script's
+            return False
         env0 = spare_env(state)
         old = self._spares.get(framework)
         if old is not None and old[0] == env0 and old[1].alive:

@@ -75,6 +75,7 @@ class Job:
     workdir: str
     command: tuple[str, ...] = ()  # `tpulaunch exec`: run this instead of a script
     compile_cache: str | None = None  # persistent XLA compilation cache dir on each host ("~" is the host's)
+    python: str | None = None  # the interpreter the host process runs in (None: the agent's, Ray's)
     emulation_env: Mapping[str, str] = field(default_factory=dict)  # the adapter's CPU emulation of a host
     user_env: Mapping[str, str] = field(default_factory=dict)  # --env, applied last
 

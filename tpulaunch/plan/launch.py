@@ -225,6 +225,7 @@ def build_plan(
     workdir: str,
     command: tuple[str, ...] = (),
     compile_cache: str | None = None,
+    python: str | None = None,
 ) -> LaunchPlan:
     """Plan a launch: one HostSlot per TPU host of every slice, meeting on slice 0's worker 0.
 
@@ -247,7 +248,7 @@ def build_plan(
     job = Job(
         run_id=run_id, script=script, args=tuple(args), framework=framework, mesh=mesh, emulated=emulated,
         distributed=distributed, metadata_server=metadata_server, log_dir=log_dir, workdir=workdir,
-        command=tuple(command), compile_cache=compile_cache,
+        command=tuple(command), compile_cache=compile_cache, python=python,
         emulation_env=dict(emulation_env or {}) if emulated else {}, user_env=dict(user_env or {}),
     )
     endpoints = Endpoints(

@@ -89,6 +89,7 @@ class LaunchRequest:
     recreate: bool = False  # a preempted slice is made again through the Cloud TPU API (`run.recreate`)
     compile_cache: str | None = None  # persistent compilation cache dir; None: the default one
     no_compile_cache: bool = False
+    python: str | None = None  # the interpreter each host runs the script with (its own environment)
     keep_cluster: bool = False  # leave an emulated cluster this run starts up for the next runs
     idle_timeout: float = 1800.0  # ... and stop it after this long unused
 
@@ -219,7 +220,9 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
     if emulated:
         runtime_env = None  # emulated hosts share this filesystem: the script runs in place
     fw, reason = _framework(req, workdir)
-    if not req.command:
+    if req.python is not None:
+        check_python(req.python, emulated)
+    elif not req.command:  # with --python the framework is the hosts' interpreter's to have
         frameworks.require_installed(fw)
     mesh = plan_mesh(resolved.topology, req.mesh, req.slices.dcn, resolved.num_slices, req.placement)
     run_id = req.run_id or new_run_id()
@@ -236,10 +239,22 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
         emulation_port=free_port() if emulated else None,
         metadata_server=(resolved.source in ("metadata", "ray")), distributed=req.distributed and not req.command,
         log_dir=str((Path(req.log_dir) / run_id).resolve()), workdir=str(workdir), command=tuple(req.command),
+        python=req.python,
         compile_cache=None if (req.no_compile_cache or req.command) else (
             req.compile_cache or default_compile_cache(fw, resolved.topology, resolved.num_slices, emulated)),
     )
     return Prepared(plan, resolved, cluster, reason, req, runtime_env, (*resolved.notes, *target.notes))
+
+
+def check_python(python: str, emulated: bool) -> None:
+    """`--python`: an absolute path (it names a file on every host); on an emulated slice the hosts
+    are this machine, so it must be an executable here too."""
+    if not python.startswith("/"):
+        raise LaunchError(f"--python {python[:80]!r} is not an absolute path",
+                          "give the interpreter of the hosts' environment, e.g. --python /opt/venv/bin/python")
+    if emulated and not os.access(python, os.X_OK):
+        raise LaunchError(f"--python {python[:80]} is not an executable on this machine",
+                          "give the python of the environment the script needs (e.g. a venv's bin/python)")
 
 
 def recorded_slices(cluster: ClusterInfo) -> discover.ClusterSlices:
@@ -282,7 +297,7 @@ def validate(req: LaunchRequest) -> None:
         if not math.isfinite(value) or value < 0:
             raise LaunchError(f"{flag} {value:g} is not a number of 0 or more", "use 0 or more")
     for flag, text in (("SCRIPT", req.script), ("--log-dir", req.log_dir), ("--workdir", req.workdir),
-                       ("--compile-cache", req.compile_cache or "")):
+                       ("--compile-cache", req.compile_cache or ""), ("--python", req.python or "")):
         if len(text) > MAX_PATH:
             raise LaunchError(f"{flag} is {len(text)} characters long", f"a path has at most {MAX_PATH}")
     if not math.isfinite(req.straggler_ratio) or not 0 <= req.straggler_ratio < 1:

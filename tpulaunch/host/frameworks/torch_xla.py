@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 class TorchXLA:
     name = "torch_xla"
-    extra = "tpu"
+    extra = "torch_xla"
     import_name = "torch_xla"
 
     def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
