@@ -4,11 +4,12 @@
 * The emulated Ray cluster used by launch tests is started once per session (`shared_cluster`)
   and shared; only lifecycle tests start their own.
 * `tests/unit/` is the unit tier (`./scripts/test -m unit`), `tests/integration/` the rest.
-* `./scripts/test` runs two pytest-xdist workers: every integration test is in one group, run in
-  order by one worker (they share one emulated cluster and some follow each other's state), while
-  the other worker runs the unit tier beside it. The integration tests spend most of their time
-  waiting on processes (the whole suite used 44% of one core), so the unit tier's minute comes
-  off the wall time instead of adding to it.
+* `./scripts/test` (no arguments) runs the two tiers side by side, in two pytest processes: the
+  integration tests in order (they share one emulated cluster and some follow each other's state)
+  and the unit tier beside them. The integration tests spend most of their time waiting on
+  processes (the whole suite used 44% of one core), so the unit tier's minute comes off the wall
+  time instead of adding to it. (pytest-xdist's `loadgroup` would do it in one process, but its
+  3.8 cannot group on pytest 9.2, whose nodes keep their id elsewhere.)
 * Every process the suite starts compiles XLA programs for the CPU without LLVM's optimizations
   (`XLA_FLAGS=--xla_backend_optimization_level=0`, unless XLA_FLAGS is set already), as a user's
   shell could. The suite's scripts run a few steps each, so compiling dominates their time: the
@@ -27,13 +28,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 import pytest
 
 from support import cli_env, run_cli
-
-
-def pytest_collection_modifyitems(config, items):
-    """Integration tests form one xdist group (see above); without xdist the mark does nothing."""
-    for item in items:
-        if "tests/integration/" in item.nodeid or item.nodeid.startswith("integration/"):
-            item.add_marker(pytest.mark.xdist_group("integration"))
 
 
 @pytest.fixture(scope="session")
