@@ -27,6 +27,7 @@ Needs `pip install 'tpulaunch[raytrain]'`; `import tpulaunch` does not import th
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from ray.train.v2.jax.config import JaxConfig
 from tpulaunch.discover.ray_labels import POD_TYPE, SLICE, TOPO, WORKER
 from tpulaunch.errors import ExitCode, LaunchError, TpulaunchError
 from tpulaunch.host import frameworks
+from tpulaunch.plan import torch_tpu
 from tpulaunch.plan.env import host_env
 from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache, new_run_id
 from tpulaunch.plan.contract import HostState
@@ -47,6 +49,8 @@ from tpulaunch.plan.mesh import check_placement, parse_axes, plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 
 SHUTDOWN_TIMEOUT_S = 30.0
+_ONE_PER_DEVICE = ("torch_tpu runs one process per TPU device: set resources_per_worker={'TPU': 1} and"
+                   " num_workers = devices of every slice")
 _ONE_PER_HOST = ("tpulaunch runs one process per TPU host: set resources_per_worker={'TPU': <chips per host>}"
                  " and num_workers = hosts x slices")
 
@@ -99,20 +103,30 @@ def plan_for_workers(
     pod_type, topo_text = kinds.pop()
     if not pod_type:
         raise LaunchError(f"the TPU hosts carry no {POD_TYPE} label", "start Ray on the TPU hosts with their TPU env")
+    per_device = getattr(frameworks.get(framework), "processes_per_device", False)
     slices = []
     for index, name in enumerate(names):
         mine = sorted((f for f in facts if f.slice_name == name), key=lambda f: f.worker_id or 0)
+        if per_device:  # a host's workers are its devices: one endpoint per host
+            endpoints = tuple(WorkerEndpoint(w, ip) for w, ip in {f.worker_id or 0: f.ip for f in mine}.items())
+        else:
+            endpoints = tuple(WorkerEndpoint(f.worker_id or 0, f.ip) for f in mine)
         slices.append(SliceSpec(
             name=name, accelerator_type=pod_type, topology=topo_text or "", source="ray",
-            workers=tuple(WorkerEndpoint(f.worker_id or 0, f.ip) for f in mine), slice_index=index,
-            emulated=not any(f.tpu_devices for f in facts)))
+            workers=endpoints, slice_index=index, emulated=not any(f.tpu_devices for f in facts)))
     topology = slices[0].to_topology()
     for s in slices:
         ids = [w.worker_id for w in s.workers]
         if ids != list(range(topology.num_hosts)):
             raise LaunchError(
                 f"slice {s.name} ({topology.accelerator_type}, {topology.num_hosts} hosts) has Ray Train workers"
-                f" on TPU workers {ids}", _ONE_PER_HOST)
+                f" on TPU workers {ids}", _ONE_PER_DEVICE if per_device else _ONE_PER_HOST)
+    if per_device:
+        counts = collections.Counter((f.slice_name, f.worker_id) for f in facts)
+        for (name, wid), n in sorted(counts.items()):
+            if n != topology.devices_per_host:
+                raise LaunchError(f"TPU worker {wid} of slice {name} has {n} Ray Train workers, not one per device"
+                                  f" ({topology.devices_per_host})", _ONE_PER_DEVICE)
     emulated = slices[0].emulated
     fw = frameworks.get(framework)
     plan = build_plan(
@@ -128,6 +142,15 @@ def plan_for_workers(
     by_host = {(h.slice_name, h.worker_id): h.process_index for h in plan.hosts}
     states = {f.rank: plan.state(by_host[(f.slice_name, f.worker_id)]) for f in facts}
     return plan, states
+
+
+def local_indices(facts: list[WorkerFacts]) -> dict[int, int]:
+    """One process per device (torch_tpu): each worker's device on its host, its place among the
+    host's workers in Ray's rank order. Pure."""
+    by_host: dict[tuple, list[int]] = {}
+    for f in sorted(facts, key=lambda f: f.rank):
+        by_host.setdefault((f.slice_name, f.worker_id), []).append(f.rank)
+    return {rank: i for ranks in by_host.values() for i, rank in enumerate(ranks)}
 
 
 # -- what runs in the workers ------------------------------------------------------------------
@@ -164,7 +187,7 @@ def _storage_path() -> str:
         return ""
 
 
-def _boot_worker(state_blob: bytes, env: dict[str, str]) -> str | None:
+def _boot_worker(state_blob: bytes, env: dict[str, str], local_index: int | None = None) -> str | None:
     """Become the host `state` describes. Returns None, or the one-line reason it could not."""
     import traceback
 
@@ -179,7 +202,7 @@ def _boot_worker(state_blob: bytes, env: dict[str, str]) -> str | None:
                 who = "; ".join(f"pid {h.pid} ({h.cmdline[:80]}) holds {', '.join(h.paths)}" for h in report.holders)
                 return (f"the TPU on this host is busy: {who or f'stale lockfile {report.lockfile}'}."
                         " Clear it with `tpulaunch cluster doctor --kill-stale`")
-        bootstrap.boot(state)
+        bootstrap.boot(state, local_index)
     except TpulaunchError as e:
         return e.line()
     except Exception as e:  # noqa: BLE001 - the reason goes to the driver, the traceback to the worker log
@@ -233,8 +256,10 @@ class _SliceBackend(Backend):
         ports = worker_group.execute_single(zero, _free_ports, 3)
         plan, states = plan_for_workers(facts, ports=ports, log_dir=worker_group.execute_single(zero, _storage_path),
                                         **args)
+        local = local_indices(facts) if self.per_device else {}
         futures = {rank: worker_group.execute_single_async(
-            rank, _boot_worker, pickle.dumps(state), {**host_env(state), **backend_config.env})
+            rank, _boot_worker, pickle.dumps(state), {**host_env(state), **self._process_env(state, local.get(rank)),
+                                                      **backend_config.env}, local.get(rank))
             for rank, state in states.items()}
         failed = []
         for rank, fut in sorted(futures.items(), key=lambda kv: states[kv[0]].process_index):
@@ -247,6 +272,12 @@ class _SliceBackend(Backend):
             more = f" (and {len(failed) - 1} more host(s))" if len(failed) > 1 else ""
             raise SliceSetupError(failed[0] + more)
 
+    per_device = False  # one worker per TPU device (torch_tpu), else one per host
+
+    @staticmethod
+    def _process_env(state: HostState, local: int | None) -> dict[str, str]:
+        return {} if local is None else torch_tpu.processes(state)[local].env
+
     def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
         futures = worker_group.execute_async(_shutdown_worker, self.framework)
         ray.wait(futures, num_returns=len(futures), timeout=SHUTDOWN_TIMEOUT_S)
@@ -258,6 +289,11 @@ class _TorchXlaBackend(_SliceBackend):
 
 class _JaxBackend(_SliceBackend):
     framework = "jax"
+
+
+class _TorchTpuBackend(_SliceBackend):
+    framework = "torch_tpu"
+    per_device = True
 
 
 def _check_axes(mesh: str | None, dcn: str | None, placement: str = "auto") -> None:
@@ -301,6 +337,25 @@ class XlaSpmdConfig(_SliceOptions, TorchConfig):
     @property
     def backend_cls(self) -> type:
         return _TorchXlaBackend
+
+
+@dataclass
+class TorchTpuConfig(_SliceOptions, TorchConfig):
+    """`TorchTrainer(torch_config=TorchTpuConfig())`: TorchTPU, one worker per TPU device.
+
+    What Ray Train leaves out, supplied as `tpulaunch run --framework torch_tpu` does: ranks grouped
+    by host in slice-builder address order (not Ray's placement order), `TORCH_TPU_TOPOLOGY`,
+    `TORCH_TPU_SLICEBUILDER_ADDRESSES`, `TORCH_TPU_DEVICES_PER_HOST`, multislice `MEGASCALE_*`
+    with the coordinator's port; the default group is open (`tpu_dist`, gloo emulated) and
+    `tpulaunch.get_mesh()` is the planned `DeviceMesh`. Use `resources_per_worker={"TPU": 1}` and
+    `num_workers` = devices of every slice.
+    """
+
+    backend: str | None = "tpulaunch-torch-tpu"  # anything but empty: TorchTrainer would pick "tpu_dist"
+
+    @property
+    def backend_cls(self) -> type:
+        return _TorchTpuBackend
 
 
 @dataclass

@@ -162,6 +162,12 @@ def test_a_process_killed_on_one_host_is_blamed_by_host_and_rank(home, workdir, 
     launch.wait_for(r"READY \d+ \d+", 8)
     pid = next(int(m.group(1)) for line in launch.lines + launch.err for m in [re.search(r"READY 6 (\d+)", line)] if m)
     run_id = _run_id(tmp_path)
+    stacks = run_cli("stacks", run_id, "--log-dir", str(tmp_path), "--json", env=home, cwd=workdir, timeout=120)
+    assert stacks.returncode == 0, stacks.stderr
+    dump_dir = Path(json.loads(stacks.stdout)["dir"])
+    for host in (0, 1):  # py-spy dumps every process of the host: its own and one per device
+        text = (dump_dir / f"host-{host}.txt").read_text()
+        assert text.count("wait.py") == 4 and "ranks.py" in text, text[:3000]
     os.kill(pid, signal.SIGKILL)
     rc, s = launch.finish()
     assert rc == 137

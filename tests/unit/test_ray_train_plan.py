@@ -65,3 +65,20 @@ def test_bad_mesh_syntax_fails_on_the_driver():
     with pytest.raises(MeshError):
         JaxSpmdConfig(dcn="data")
     assert XlaSpmdConfig().backend  # non-empty: TorchTrainer must not swap in "tpu_dist"
+
+
+def test_torch_tpu_workers_are_grouped_by_host_one_per_device():
+    from tpulaunch.plan import torch_tpu
+    from tpulaunch.ray_train import local_indices
+
+    # v5p-16: 2 hosts x 4 devices; Ray placed the 8 workers interleaved across the two hosts
+    facts = [WorkerFacts(rank=r, ip=f"10.0.0.{r % 2}", slice_name="s", worker_id=r % 2, pod_type="v5p-16",
+                         topology="2x2x2", tpu_devices=False) for r in range(8)]
+    plan, states = plan_for_workers(facts, framework="torch_tpu", mesh=None, dcn=None, run_id="r", ports=[1, 2, 3])
+    local = local_indices(facts)
+    assert local == {0: 0, 2: 1, 4: 2, 6: 3, 1: 0, 3: 1, 5: 2, 7: 3}
+    ranks = {r: torch_tpu.processes(states[r])[local[r]].rank for r in range(8)}
+    assert ranks == {0: 0, 2: 1, 4: 2, 6: 3, 1: 4, 3: 5, 5: 6, 7: 7}  # host-major, whatever Ray's order
+    assert [w.worker_id for w in plan.slices[0].workers] == [0, 1]
+    with pytest.raises(LaunchError, match="has 3 Ray Train workers, not one per device"):
+        plan_for_workers(facts[:7], framework="torch_tpu", mesh=None, dcn=None, run_id="r", ports=[1, 2, 3])

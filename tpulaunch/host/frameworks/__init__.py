@@ -47,6 +47,19 @@ class Framework(Protocol):
         """Leave cleanly (bounded in time)."""
 
 
+def check_size(where: str, have: int, unit: str, plan: "MeshPlan") -> None:
+    """What the runtime counts (`have` devices, or processes: one per device) must be the planned
+    mesh's device count."""
+    if have != plan.num_devices:
+        from tpulaunch.errors import MeshMismatchError
+
+        raise MeshMismatchError(
+            f"{where} has {have} {unit} but the planned mesh"
+            f" {dict(zip(plan.axis_names, plan.shape))} needs {plan.num_devices}",
+            "the slice does not match --topology/--num-slices",
+        )
+
+
 def names() -> list[str]:
     return list(_ADAPTERS)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from tpulaunch.errors import LaunchError, MeshMismatchError
+from tpulaunch.errors import LaunchError
 
 if TYPE_CHECKING:
     from tpulaunch.plan.contract import HostState
@@ -67,13 +67,9 @@ class TorchTPU:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        world = dist.get_world_size()
-        if world != plan.num_devices:
-            raise MeshMismatchError(
-                f"the job has {world} processes but the planned mesh {dict(zip(plan.axis_names, plan.shape))}"
-                f" needs {plan.num_devices}",
-                "the slice does not match --topology/--num-slices",
-            )
+        from tpulaunch.host.frameworks import check_size
+
+        check_size("the job", dist.get_world_size(), "processes", plan)
         # a rank is a device id of the plan (host-major, then local index): the grid is the mesh
         ranks = torch.tensor(plan.grid(), dtype=torch.int)
         return DeviceMesh(device_type(state), ranks, mesh_dim_names=tuple(plan.axis_names))

@@ -74,13 +74,9 @@ class TorchXLA:
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
-        n = xr.global_runtime_device_count()
-        if n != plan.num_devices:
-            raise MeshMismatchError(
-                f"the runtime has {n} devices but the planned mesh {dict(zip(plan.axis_names, plan.shape))}"
-                f" needs {plan.num_devices}",
-                "the slice does not match --topology/--num-slices",
-            )
+        from tpulaunch.host.frameworks import check_size
+
+        check_size("the runtime", xr.global_runtime_device_count(), "devices", plan)
         ids = runtime_device_ids(plan, xr.global_runtime_device_attributes())
         mesh = xs.Mesh(np.array(ids), plan.shape, plan.axis_names)
         xs.set_global_mesh(mesh)
