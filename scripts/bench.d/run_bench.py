@@ -112,6 +112,28 @@ Mean overhead per preemption {mean:.1f} s. The run: wall {r['wall_s']:.1f} s, go
 """
 
 
+def elastic_section(_ctx: dict) -> str:
+    sys.path.insert(0, str(HERE))
+    import elastic
+
+    rows = elastic.measure()
+    table = "".join(
+        f"| `--min-slices {r['min_slices']}` | {r['wall_s']:.1f} | {100 * r['goodput']:.0f}% | {r['buckets']['productive']:.1f}"
+        f" | {r['buckets']['recovery']:.1f} | {r['buckets']['wasted_progress']:.1f} | "
+        + ", ".join(f"{o} ({why})" for o, why in r["attempts"]) + " |\n" for r in rows)
+    return f"""## Elastic multislice: one preemption, waiting vs going on (fake Cloud TPU API)
+
+Measured on {datetime.date.today().isoformat()} (`scripts/bench.d/elastic.py`): two spot v4-8 slices under a head here, a
+detached run on both (`--dcn data=2 --recreate --max-preemptions 1`, 0.3 s steps to step 100, a save
+every 2 steps), slice B preempted at step 10; the fake API takes {elastic.PROVISION_S:g} s to provision B again.
+`--min-slices 2` waits for B; `--min-slices 1` goes on on A and grows back at the first checkpoint
+after B is back. Goodput from `tpulaunch goodput` (productive time counts the steps of the slices that ran).
+
+| run | wall (s) | goodput | productive (s) | recovery (s) | wasted (s) | attempts |
+| --- | ---: | ---: | ---: | ---: | ---: | --- |
+{table}"""
+
+
 def _jax_version() -> str:
     import jax
 
@@ -476,7 +498,7 @@ budget is 1.5 s).
 
 SECTIONS = {"planning": planning_section, "mesh": mesh_section, "launch": launch_section, "steps": step_section, "scaling": scaling_section,
             "first_step": first_step_section, "preflight": preflight_section, "scale": scale_section,
-            "real_scale": real_scale_section, "recovery": recovery_section}
+            "real_scale": real_scale_section, "recovery": recovery_section, "elastic": elastic_section}
 MARK = "<!-- bench section: {} -->"
 
 

@@ -8,7 +8,8 @@ In order: on a one-slice cluster, a preemption the run survives (re-created, set
 resumed from its checkpoint, exit 0); then a cluster of two slices (`cluster up --tpu A --tpu B
 --head local`), where a multislice run loses one slice and only that one is made again, then the
 other with the budget spent (exit 75); a stockout on re-create (exit 75 with the service's
-reason); `cluster down` leaves nothing behind.
+reason); `cluster down` leaves nothing behind; last, an elastic run (`--min-slices 1`) that goes
+on on A while B is re-created, then grows back to both.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ step = json.load(open(ckpt))["step"] if os.path.exists(ckpt) else 0
 print(f"attempt {ctx.restart_count} host {ctx.process_index} starts at step {step}", flush=True)
 print(f"host {ctx.process_index} is slice {os.environ.get('MEGASCALE_SLICE_ID', '-')}"
       f" of {os.environ.get('MEGASCALE_NUM_SLICES', '1')}", flush=True)
-stop = step + int(os.environ.get("STEPS_AFTER_RESUME", "6")) if step else 10_000
+print(f"host {ctx.process_index} attempt {ctx.restart_count} is a {ctx.attempt_reason} on {ctx.num_slices}"
+      f" of {ctx.full_num_slices} slices", flush=True)
+# the first attempt, and one on fewer slices (it is stopped to grow back), run until stopped
+stop = step + int(os.environ.get("STEPS_AFTER_RESUME", "6")) if step and ctx.attempt_reason != "shrink" else 10_000
 while step < stop:
     time.sleep(0.3)
     step += 1
@@ -49,6 +53,7 @@ while step < stop:
         with open(ckpt + ".tmp", "w") as f:
             json.dump({"step": step}, f)
         os.replace(ckpt + ".tmp", ckpt)
+        tpulaunch.heartbeat(step=step, checkpoint=True)
         print(f"step {step} saved", flush=True)
 print(f"host {ctx.process_index} done at step {step}", flush=True)
 """
@@ -292,3 +297,51 @@ def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
     assert "head" in hosts and hosts["head"]["left"] == []
     left = [(pid, _cmdline(pid)) for pid in procs_of(cloud["temp_dir"]) + procs_of(cloud["head_dir"])]
     assert left == [] and not Path(cloud["head_dir"]).exists()
+
+
+def test_an_elastic_run_goes_on_on_a_while_b_is_recreated_then_grows_back(cluster):
+    """`--min-slices 1`: preempting ms-b does not stop the run; the next attempt starts at once on
+    ms-a while ms-b is made again in the background, and the run grows back to both slices at the
+    first checkpoint after ms-b is back in Ray."""
+    cloud, api = cluster, cluster["api"]
+    api.set_capacity(stockout=False)
+    for name in MS:  # the test before left ms-a preempted and the cluster down
+        cli(cloud, "slice", "delete", name, "--zone", ZONE, "--project", "p")
+        made = cli(cloud, "slice", "create", name, "--accelerator", "v4-8", "--spot", "--wait", "--zone", ZONE,
+                   "--project", "p")
+        assert made.returncode == 0, made.stderr
+    up = up_two_slices(cloud)
+    assert up.returncode == 0, up.stderr
+    cloud["head_dir"] = json.loads((Path(cloud["env"]["TPULAUNCH_HOME"]) / "cluster.json").read_text())["temp_dir"]
+    run_id = submit(cloud, "--num-slices", "2", "--dcn", "data=2", "--min-slices", "1", "--max-preemptions", "2",
+                    "--preemption-wait", "240")
+    wait_for_checkpoints(cloud, run_id)
+    mark = len(api.events)
+    preempt(cloud, MS[1])
+    end = time.monotonic() + 120
+    while True:  # the run goes on on ms-a alone, before ms-b is back
+        d = json.loads(cli(cloud, "status", run_id, "--json", timeout=60).stdout)
+        if d.get("attempt") == 1 and d["state"] == "running" and len(d["hosts"]) == 1:
+            break
+        assert d["state"] in ("running", "restarting") and time.monotonic() < end, d
+        time.sleep(0.5)
+    wait = cli(cloud, "wait", run_id, "--json", timeout=400)
+    log = cli(cloud, "logs", run_id, timeout=60).stdout
+    print("\n--- the run's output ---\n" + log)
+    assert wait.returncode == 0, wait.stdout + wait.stderr + log[-4000:]
+    final = json.loads(wait.stdout)
+    summary = json.loads((Path(final["attempts"][0]["log_dir"]).parent / "summary.json").read_text())
+    a = summary["attempts"]
+    assert [x["reason"] for x in a] == ["first", "shrink", "grow"], [(x["reason"], x["outcome"]) for x in a]
+    assert a[0]["outcome"] in ("lost", "preempted") and [x["outcome"] for x in a[1:]] == ["grown", "ok"]
+    assert (a[0]["slices"], a[1]["slices"], a[2]["slices"]) == (list(MS), [MS[0]], list(MS))
+    assert summary["preemptions"] == 1 and summary["restarts"] == 0
+    (rec,) = a[1]["recreated"]  # made again while attempt 1 ran on ms-a
+    assert rec["slice"] == MS[1] and rec["queued_resource"] == MS[1]
+    assert api.events[mark:] == [f"preempt {MS[1]}", f"delete {MS[1]}", f"create {MS[1]}"]
+    assert "host 0 attempt 1 is a shrink on 1 of 2 slices" in log
+    for w in (0, 1):
+        assert f"host {w} attempt 2 is a grow on 2 of 2 slices" in log and f"host {w} done at step" in log
+    assert "growing back after the checkpoint of step" in log
+    down = cli(cloud, "cluster", "down", "--json", timeout=120)
+    assert down.returncode == 0, down.stderr

@@ -207,6 +207,15 @@ def run_cmd(
         help="Persistent XLA compilation cache on every host (JAX default: ~/.cache/tpulaunch/xla-cache/jax/<slice>;"
              " torch_xla 2.9 cannot load its cache, so it has none unless given)."),
     no_compile_cache: bool = typer.Option(False, "--no-compile-cache", help="Compile from scratch every run."),
+    min_slices: Optional[int] = typer.Option(
+        None, "--min-slices", metavar="K",
+        help="Elastic multislice: when a slice is lost, go on at once on the slices left (at least K), bring the lost"
+             " one back in the background, and grow back to all at the next checkpoint. Needs --max-preemptions and"
+             " the slices on one --dcn axis."),
+    grow_after: Optional[float] = typer.Option(
+        None, "--grow-after", metavar="SECONDS",
+        help="With --min-slices: grow back this long after the lost slices are back, instead of at the next"
+             " checkpoint (`tpulaunch.heartbeat(step=N, checkpoint=True)`)."),
     python: Optional[str] = typer.Option(
         None, "--python", metavar="PATH",
         help="The interpreter each host runs the script with: the environment of the training stack (torch_tpu needs"
@@ -242,7 +251,7 @@ def run_cmd(
         max_preemptions=max_preemptions, preemption_wait=preemption_wait, preemption_grace=preemption_grace,
         recreate=recreate,
         keep_cluster=keep_cluster, idle_timeout=idle_timeout, compile_cache=compile_cache,
-        no_compile_cache=no_compile_cache, python=python,
+        no_compile_cache=no_compile_cache, python=python, min_slices=min_slices, grow_after=grow_after,
     )
     raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run, detach=detach, attach_stop=attach_stop,
                                  show_env=show_env))

@@ -65,6 +65,18 @@ class RunContext:
         return self.state.num_slices
 
     @property
+    def full_num_slices(self) -> int:
+        """The slices the run asked for (`--num-slices`); more than `num_slices` while an elastic run
+        (`--min-slices`) trains on the ones that survived a preemption."""
+        return self.state.job.full_num_slices or self.state.num_slices
+
+    @property
+    def attempt_reason(self) -> str:
+        """Why this attempt runs: "first", "restart" (a failure), "preemption" (the slices came back),
+        "shrink" (on fewer slices after one was lost) or "grow" (back to more slices)."""
+        return self.state.reason
+
+    @property
     def slice_name(self) -> str:
         return self.state.slot.slice_name
 

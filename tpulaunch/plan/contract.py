@@ -12,6 +12,7 @@ from typing import Mapping
 from tpulaunch.plan.mesh import MeshPlan
 from tpulaunch.plan.topology import Topology
 
+ATTEMPT_REASONS = ("first", "restart", "preemption", "shrink", "grow")
 MEGASCALE_PORT = 8081  # libtpu's DCN coordinator port (Ray and MaxText use the same)
 
 
@@ -76,6 +77,7 @@ class Job:
     command: tuple[str, ...] = ()  # `tpulaunch exec`: run this instead of a script
     compile_cache: str | None = None  # persistent XLA compilation cache dir on each host ("~" is the host's)
     python: str | None = None  # the interpreter the host process runs in (None: the agent's, Ray's)
+    full_num_slices: int = 0  # the slices the run asked for (0: the mesh's); more than this attempt's after a shrink
     emulation_env: Mapping[str, str] = field(default_factory=dict)  # the adapter's CPU emulation of a host
     user_env: Mapping[str, str] = field(default_factory=dict)  # --env, applied last
 
@@ -107,6 +109,7 @@ class HostState:
     slot: HostSlot
     attempt: int
     endpoints: Endpoints
+    reason: str = "first"  # why this attempt runs: first, restart, preemption, shrink, grow (ATTEMPT_REASONS)
 
     # Read-only views of the fields, named as a host's code asks for them.
     @property

@@ -31,7 +31,7 @@ from tpulaunch.errors import LaunchError
 from tpulaunch.plan import torch_tpu
 from tpulaunch.plan.contract import MEGASCALE_PORT, Endpoints, HostSlot, HostState, Job
 from tpulaunch.plan.env import host_env
-from tpulaunch.plan.mesh import MeshPlan
+from tpulaunch.plan.mesh import MeshPlan, resize_slices
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.plan.topology import Topology
 
@@ -122,6 +122,7 @@ class LaunchPlan:
     hosts: tuple[HostSlot, ...]  # by process index
     endpoints: Endpoints
     attempt: int = 0  # 0, then 1, 2, ... when the whole slice is restarted
+    reason: str = "first"  # why this attempt runs (contract.ATTEMPT_REASONS)
 
     # The job's fields, for the stages that read them often.
     @property
@@ -150,7 +151,7 @@ class LaunchPlan:
 
     def state(self, process_index: int) -> HostState:
         """The contract of the host with this process index."""
-        return HostState(self.job, self.hosts[process_index], self.attempt, self.endpoints)
+        return HostState(self.job, self.hosts[process_index], self.attempt, self.endpoints, self.reason)
 
     def states(self) -> list[HostState]:
         return [self.state(h.process_index) for h in self.hosts]
@@ -159,9 +160,24 @@ class LaunchPlan:
         """The environment of that host's process (`plan.env.host_env` of its state)."""
         return host_env(self.state(process_index))
 
-    def for_attempt(self, attempt: int, endpoints: Endpoints | None = None) -> "LaunchPlan":
+    def for_attempt(self, attempt: int, endpoints: Endpoints | None = None, reason: str = "restart") -> "LaunchPlan":
         """The plan of restart number `attempt`, meeting at `endpoints` (default: the same). Pure."""
-        return replace(self, attempt=attempt, endpoints=endpoints or self.endpoints)
+        return replace(self, attempt=attempt, endpoints=endpoints or self.endpoints, reason=reason)
+
+    def on_fleet(self, keep: list[str], emulation_env: Mapping[str, str]) -> "LaunchPlan":
+        """The same job on the slices named in `keep` (a subset of the run's, in the run's order):
+        the DCN axis of the mesh (the one spanning the slices) resized to them, slice ids and process
+        indices renumbered, the meeting place on the first kept slice, and `emulation_env` (the
+        adapter's for the new number of slices). Computed afresh from the job: nothing of the
+        attempt before is carried over but the ports. Pure."""
+        mesh = resize_slices(self.mesh, len(keep))
+        slices = [replace(s, slice_index=i) for i, s in enumerate(s for s in self.slices if s.name in keep)]
+        if [s.name for s in slices] != list(keep):
+            raise LaunchError(f"internal: slices {list(keep)} are not the run's in its order", "report this bug")
+        job = replace(self.job, mesh=mesh, full_num_slices=self.job.full_num_slices or self.mesh.num_slices,
+                      emulation_env=dict(emulation_env) if self.job.emulated else {})
+        return replace(self, job=job, slices=tuple(slices), hosts=_slots(slices, mesh.topology),
+                       endpoints=replace(self.endpoints, host=slices[0].workers[0].ip))
 
     def on_slices(self, slices: list[SliceSpec]) -> "LaunchPlan":
         """The same job on these slices (a re-created slice: same name and shape, new VMs and

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Iterator, Sequence
 
@@ -289,6 +289,26 @@ def check_num_slices(topology: Topology, num_slices: int) -> None:
     if num_slices > 1 and topology.generation.name in ("v2", "v3"):
         raise MeshError(f"{topology.generation.name} slices do not form a multislice (Cloud TPU Multislice is v4 and later)",
                         "use one slice, or a v4 or later generation")
+
+
+def elastic_axis(plan: MeshPlan) -> int | None:
+    """The one mesh axis that spans the slices (`--dcn data=N`), which a run on fewer slices shrinks;
+    None when the slices are spread over several axes (no shape to shrink to) or there is one slice."""
+    over = [i for i, d in enumerate(plan.dcn_shape) if d > 1]
+    return over[0] if len(over) == 1 and plan.dcn_shape[over[0]] == plan.num_slices else None
+
+
+def resize_slices(plan: MeshPlan, num_slices: int) -> MeshPlan:
+    """The mesh on `num_slices` slices: its DCN axis (`elastic_axis`) that long, the rest as planned."""
+    if num_slices == plan.num_slices:
+        return plan
+    axis = elastic_axis(plan)
+    if axis is None:
+        raise MeshError(f"the mesh {dict(zip(plan.axis_names, plan.dcn_shape))} over DCN has no one axis across"
+                        f" its {plan.num_slices} slices to resize", "put the slices on one --dcn axis, e.g. --dcn data=2")
+    check_num_slices(plan.topology, num_slices)
+    dcn = tuple(num_slices if i == axis else d for i, d in enumerate(plan.dcn_shape))
+    return replace(plan, dcn_shape=dcn, num_slices=num_slices)
 
 
 def check_placement(placement: str) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from tpulaunch.discover.ray_labels import SLICE as LABEL_SLICE
 from tpulaunch.discover.ray_labels import WORKER as LABEL_WORKER
@@ -74,6 +74,8 @@ class Limits:
     preflight: bool = True  # check every host (versions, ports, chips, ids) before any script starts
     straggler_ratio: float = 0.7  # name a host below this x the median step rate (0: never)
     debug: bool = False  # say more (why a host did not get a spare)
+    # elastic runs on fewer slices: asked with the watch and the time; a reason ends the attempt to grow
+    grow: "Callable[[W.AttemptWatch, float], str | None] | None" = None
 
 
 class HostLogs:
@@ -221,7 +223,9 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
                     pass
     if watch.signal is None and interrupts.received is not None and watch.outcome is None:
         watch.check(time.monotonic(), interrupts.received)  # interrupted before the hosts ran
-    return watch.result(str(paths.attempt(plan.attempt)), time.time() - t0, timings)
+    a = watch.result(str(paths.attempt(plan.attempt)), time.time() - t0, timings)
+    a.slices, a.reason = [s.name for s in plan.slices], plan.reason
+    return a
 
 
 def attempt_watch(plan: LaunchPlan, limits: Limits) -> tuple[HostLogs, W.AttemptWatch]:
@@ -233,7 +237,9 @@ def attempt_watch(plan: LaunchPlan, limits: Limits) -> tuple[HostLogs, W.Attempt
     for h in plan.hosts:
         logs.touch(h.process_index)
     rules = W.StopRules(limits.deadline, limits.stall_timeout_s, limits.preemption_grace_s, limits.straggler_ratio)
-    return logs, W.AttemptWatch(plan.attempt, hosts, rules, time.monotonic())
+    watch = W.AttemptWatch(plan.attempt, hosts, rules, time.monotonic())
+    watch.grow = limits.grow
+    return logs, watch
 
 
 def drive(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink, logs: HostLogs, limits: Limits,

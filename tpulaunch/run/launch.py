@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 from tpulaunch import discover
 from tpulaunch.cluster import emulated, reaper
@@ -25,7 +26,7 @@ from tpulaunch.cluster.record import ClusterInfo, driver_log_path, load_record, 
 from tpulaunch.errors import LaunchError, TpulaunchError
 from tpulaunch.host.agent import agent_for
 from tpulaunch.plan.launch import LaunchPlan
-from tpulaunch.run import policy, recreate
+from tpulaunch.run import elastic, policy, recreate
 from tpulaunch.run.execute import Limits, Sink, execute
 from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.timeline import Timeline
@@ -228,13 +229,42 @@ def _keep(cluster: ClusterInfo, req: LaunchRequest, sink: Sink) -> bool:
 def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, sigs: Interrupts,
               cluster: ClusterInfo, attempts: list[Attempt], timeline: Timeline) -> tuple[policy.Spent, str | None]:
     """Run attempts until the policy finishes the run; returns what was spent and why it finished."""
-    budgets = policy.Budgets(req.max_restarts, req.max_preemptions, req.kill_stale)
+    budgets = policy.Budgets(req.max_restarts, req.max_preemptions, req.kill_stale, req.min_slices or 0)
     spent = policy.Spent()
     gcs = None if cluster.address.startswith("ray://") else cluster.address
-    current = plan
+    current = full = plan  # full: every slice the run asked for; current: the ones this attempt runs on
+    regrowths: list[elastic.Regrowth] = []  # lost slices coming back while the run trains on the others
+    try:
+        return _attempt_loop(plan, req, sink, limits, sigs, cluster, attempts, timeline, budgets, spent, gcs,
+                             current, full, regrowths)
+    finally:
+        for r in regrowths:
+            r.cancel()
+
+
+def _grow_when(regrowths: list[elastic.Regrowth]):  # noqa: ANN202 - the watch's grow callback, or None
+    """Grow back once every lost slice is back (a slice that could not come back keeps the run small)."""
+    if not regrowths:
+        return None
+
+    def ask(watch, now: float) -> str | None:  # noqa: ANN001
+        if any(r.error for r in regrowths):
+            return None
+        whys = [r.should_grow(watch, now) for r in regrowths]
+        return whys[-1] if all(whys) else None
+
+    return ask
+
+
+def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, sigs: Interrupts,
+                  cluster: ClusterInfo, attempts: list[Attempt], timeline: Timeline, budgets: policy.Budgets,
+                  spent: policy.Spent, gcs: str | None, current: LaunchPlan, full: LaunchPlan,
+                  regrowths: list[elastic.Regrowth]) -> tuple[policy.Spent, str | None]:
     while True:
-        timeline.emit("attempt_start", attempt=current.attempt)
-        a = execute(current, sink, limits, sigs, gcs_address=gcs, timeline=timeline)
+        timeline.emit("attempt_start", attempt=current.attempt, slices=[s.name for s in current.slices],
+                      reason=current.reason)
+        a = execute(current, sink, replace(limits, grow=_grow_when(regrowths)), sigs, gcs_address=gcs,
+                    timeline=timeline)
         attempts.append(a)
         timeline.attempt_over(current.attempt)
         for h in a.hosts:  # each host's end: the last steps of a failed attempt are seen here only
@@ -243,22 +273,36 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
         first = a.first_failure
         timeline.emit("attempt_end", attempt=current.attempt, outcome=str(a.outcome), exit_code=a.exit_code,
                       host=first.process_index if first else None, why=a.who)
-        decision = policy.decide(a, budgets, spent)
+        hit = {current.hosts[h.process_index].slice_name for h in a.hosts if h.lost or h.preempted}
+        decision = policy.decide(a, budgets, spent, whole_slices=len(current.slices) - len(hit))
         first = a.first_failure
         who = f"host {first.process_index} {first.reason}" if first else "the attempt"
         if decision.action is policy.Action.FINISH:
             return spent, decision.why
+        if decision.action in (policy.Action.SHRINK, policy.Action.GROW):
+            spent = decision.spent
+            if sigs.received is not None:
+                return spent, None
+            current, full = _resize(decision.action, a, current, full, sorted(hit), regrowths, req, sink, cluster,
+                                    timeline, spent)
+            continue
         sink.status(RunView(plan.run_id, RunState.RESTARTING, a.index, tuple(), attempts_brief(attempts),
                             note=f"attempt {a.index}: {a.outcome}: {who}"))
         spent = decision.spent
         if sigs.received is not None:
             return spent, None
         if decision.action is policy.Action.WAIT_FOR_SLICE:
+            if current is not full:  # too few slices left to go on: wait for the whole run's again
+                for r in regrowths:
+                    r.cancel()
+                regrowths.clear()
+                hit |= {s.name for s in full.slices} - {s.name for s in current.slices}
+                current = full.for_attempt(current.attempt, full.endpoints, current.reason)
             sigs.raise_now = True  # no host runs while the slice is awaited: a stop ends the wait at once
             try:
                 t0 = time.monotonic()
                 if req.recreate:
-                    lost = sorted({current.hosts[h.process_index].slice_name for h in a.hosts if h.lost or h.preempted})
+                    lost = sorted(hit)
                     timeline.emit("recreate_start", slices=lost)
                     try:
                         recs, slices = recreate.bring_back(cluster, lost, req.preemption_wait, sink.progress)
@@ -285,7 +329,39 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
             sink.progress(f"{who}: restarting the whole slice (restart {spent.restarts} of {req.max_restarts})")
         if sigs.received is not None:
             return spent, None
-        current = current.for_attempt(current.attempt + 1, _fresh_endpoints(current))
+        reason = "preemption" if decision.action is policy.Action.WAIT_FOR_SLICE else "restart"
+        current = current.for_attempt(current.attempt + 1, _fresh_endpoints(current), reason)
+        if current.mesh.num_slices == full.mesh.num_slices:
+            full = current
+
+
+def _resize(action: policy.Action, a: Attempt, current: LaunchPlan, full: LaunchPlan, hit: list[str],
+            regrowths: list[elastic.Regrowth], req: LaunchRequest, sink: Sink, cluster: ClusterInfo,
+            timeline: Timeline, spent: policy.Spent) -> tuple[LaunchPlan, LaunchPlan]:
+    """The next attempt of an elastic run: on the slices left whole (shrink; the lost ones start
+    coming back), or on every slice of the run again (grow). Returns (the next plan, the full one)."""
+    from tpulaunch.host import frameworks
+
+    n = full.mesh.num_slices
+    if action is policy.Action.SHRINK:
+        keep = [s.name for s in current.slices if s.name not in hit]
+        regrowths.append(elastic.Regrowth(cluster, full, hit, recreate=req.recreate, wait_s=req.preemption_wait,
+                                          grow_after=req.grow_after, say=sink.progress))
+        sink.progress(f"{a.who}: going on at once on {len(keep)} of {n} slices ({', '.join(keep)}) while"
+                      f" {', '.join(hit)} come(s) back (preemption {spent.preemptions} of {req.max_preemptions})")
+        timeline.emit("shrink", attempt=current.attempt + 1, slices=keep, lost=hit)
+        small = full.on_fleet(keep, frameworks.get(full.framework).emulation_env(full.topology, len(keep)))
+        return small.for_attempt(current.attempt + 1, _fresh_endpoints(small), "shrink"), full
+    back = [s for r in regrowths for s in r.lost]
+    a.recreated = [d for r in regrowths for d in r.recreated]
+    specs = next((r.slices for r in reversed(regrowths) if r.slices), None)
+    regrowths.clear()
+    if specs:  # re-created slices have new VMs and addresses
+        full = full.on_slices(recreate.in_run_order(full.slices, specs))
+    sink.progress(f"growing back to all {n} slices ({', '.join(back)} returned)")
+    timeline.emit("grow", attempt=current.attempt + 1, slices=[s.name for s in full.slices], back=back)
+    full = full.for_attempt(current.attempt + 1, _fresh_endpoints(full), "grow")
+    return full, full
 
 
 def attempts_brief(attempts: list[Attempt]) -> tuple[dict, ...]:

@@ -9,6 +9,9 @@ slice, relaunches, or ends the run). Tested over a table of cases with no cluste
   fail the same way.
 * A lost or preempted host relaunches once the slice is whole again, while `--max-preemptions`
   allows; not when the Ray head itself is gone (nothing left to relaunch on).
+* Elastic (`--min-slices K`): a lost or preempted slice, with at least K slices left whole, shrinks
+  the run at once to the slices left (a preemption, counted); an attempt tpulaunch stopped because
+  the lost slices are back grows it again (counted against nothing).
 * Success, timeouts, stalls and signals end the run.
 """
 
@@ -28,6 +31,7 @@ class Budgets:
     max_restarts: int = 0
     max_preemptions: int = 0
     kill_stale: bool = False
+    min_slices: int = 0  # elastic: go on with at least this many slices (0: never shrink)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class Action(Enum):
     FINISH = "finish"  # the run ends with this attempt's exit code
     RESTART = "restart"  # relaunch the whole slice now
     WAIT_FOR_SLICE = "wait-for-slice"  # relaunch once every host is back in Ray
+    SHRINK = "shrink"  # relaunch now on the slices left whole; the lost ones come back in the background
+    GROW = "grow"  # relaunch on every slice of the run (the lost ones are back)
 
 
 @dataclass(frozen=True)
@@ -49,9 +55,12 @@ class Decision:
     why: str | None = None  # FINISH: why the run was not retried (a budget spent, an exit never retried)
 
 
-def decide(attempt: Attempt, budgets: Budgets, spent: Spent) -> Decision:
-    """The next step after `attempt` (see the module docstring)."""
+def decide(attempt: Attempt, budgets: Budgets, spent: Spent, whole_slices: int | None = None) -> Decision:
+    """The next step after `attempt` (see the module docstring). `whole_slices`: how many of the
+    attempt's slices lost no host (elastic runs)."""
     outcome, first = attempt.outcome, attempt.first_failure
+    if outcome is Outcome.GROWN:
+        return Decision(Action.GROW, spent)
     if outcome in (Outcome.OK, Outcome.INTERRUPTED, Outcome.TIMEOUT, Outcome.STALLED):
         return Decision(Action.FINISH, spent)
     if outcome is Outcome.PREFLIGHT:
@@ -61,7 +70,10 @@ def decide(attempt: Attempt, budgets: Budgets, spent: Spent) -> Decision:
             return Decision(Action.FINISH, spent, _spent("--max-preemptions", budgets.max_preemptions))
         if first is not None and first.cause is Cause.HEAD_LOST:
             return Decision(Action.FINISH, spent, "the Ray head is gone with its node: no cluster to relaunch on")
-        return Decision(Action.WAIT_FOR_SLICE, replace(spent, preemptions=spent.preemptions + 1))
+        counted = replace(spent, preemptions=spent.preemptions + 1)
+        if budgets.min_slices and whole_slices is not None and budgets.min_slices <= whole_slices < len(attempt.slices):
+            return Decision(Action.SHRINK, counted)
+        return Decision(Action.WAIT_FOR_SLICE, counted)
     code = attempt.exit_code
     if code in NEVER_RETRIED or (code == ExitCode.TPU_BUSY and not budgets.kill_stale):
         return Decision(Action.FINISH, spent, f"exit {code} is never retried: a rerun would fail the same way")

@@ -90,6 +90,8 @@ class LaunchRequest:
     compile_cache: str | None = None  # persistent compilation cache dir; None: the default one
     no_compile_cache: bool = False
     python: str | None = None  # the interpreter each host runs the script with (its own environment)
+    min_slices: int | None = None  # elastic: go on with at least this many slices after one is lost
+    grow_after: float | None = None  # elastic: grow back this long after the lost slices are back (None: at a checkpoint)
     keep_cluster: bool = False  # leave an emulated cluster this run starts up for the next runs
     idle_timeout: float = 1800.0  # ... and stop it after this long unused
 
@@ -243,6 +245,16 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
         compile_cache=None if (req.no_compile_cache or req.command) else (
             req.compile_cache or default_compile_cache(fw, resolved.topology, resolved.num_slices, emulated)),
     )
+    if req.min_slices is not None:
+        from tpulaunch.run import elastic
+
+        elastic.check(plan, req.min_slices)
+        if not req.max_preemptions:
+            raise LaunchError("--min-slices needs --max-preemptions: shrinking after a lost slice counts as one",
+                              "add --max-preemptions N (how many lost slices the run may survive)")
+    if req.grow_after is not None and (req.min_slices is None or not math.isfinite(req.grow_after) or req.grow_after < 0):
+        raise LaunchError(f"--grow-after {req.grow_after:g} needs --min-slices and 0 or more seconds",
+                          "e.g. --min-slices 1 --grow-after 60 (default: grow at the first checkpoint)")
     return Prepared(plan, resolved, cluster, reason, req, runtime_env, (*resolved.notes, *target.notes))
 
 

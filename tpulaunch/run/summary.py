@@ -31,6 +31,7 @@ class Outcome(str, Enum):
     STALLED = "stalled"  # --stall-timeout
     INTERRUPTED = "interrupted"  # SIGINT / SIGTERM to tpulaunch
     PREFLIGHT = "preflight"  # the checks before any script found what would make the run hang or fail
+    GROWN = "grown"  # stopped by tpulaunch to grow back to slices that returned (`--min-slices`): not a failure
 
     def __str__(self) -> str:
         return self.value
@@ -111,6 +112,8 @@ class Attempt:
     signal: str | None = None  # SIGINT / SIGTERM when interrupted
     findings: list[dict] = field(default_factory=list)  # preflight: errors and warnings, by host
     recreated: list[dict] = field(default_factory=list)  # --recreate: the slices made again after it, each step timed
+    slices: list[str] = field(default_factory=list)  # the slices it ran on (fewer than the run's after a shrink)
+    reason: str = "first"  # why it ran: first, restart, preemption, shrink, grow
 
     @property
     def who(self) -> str | None:
@@ -177,4 +180,5 @@ def exit_code_for(outcome: Outcome, first: HostResult | None, signum: int | None
         Outcome.TIMEOUT: ExitCode.TIMEOUT,
         Outcome.STALLED: ExitCode.TIMEOUT,
         Outcome.PREFLIGHT: ExitCode.PREFLIGHT,
+        Outcome.GROWN: ExitCode.OK,
     }[outcome]

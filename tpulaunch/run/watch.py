@@ -69,6 +69,9 @@ class AttemptWatch:
         self.rules = rules
         # facts for the run's timeline (steps, checkpoints), recorded as they come; decides nothing
         self.on_step: Callable[[int, PollReply], None] | None = None
+        # elastic: asked each check whether to end the attempt and grow back (a reason, or None)
+        self.grow: Callable[[AttemptWatch, float], str | None] | None = None
+        self.saved: dict[int, tuple[int, float]] = {}  # host -> (step, when: the loop's clock) of its last checkpoint
         self.pending: set[int] = set(range(len(hosts)))
         self.activity = {i: now for i in self.pending}  # when the loop last saw a sign of life
         self.beat = {i: 0.0 for i in self.pending}  # the host's own last-activity stamp
@@ -104,6 +107,8 @@ class AttemptWatch:
                     if m:  # the host's process names the process of its that failed first
                         r.rank, r.reason = int(m.group(1)), f"rank {m.group(1)} (local rank {m.group(3)}) {m.group(4)}"
                         break
+        if reply.checkpoint is not None:
+            self.saved[i] = (reply.checkpoint[0], now - reply.checkpoint[2])
         if reply.step is not None:
             self.steps.record(i, reply.step, now)
             r.step, r.step_rate = reply.step, self.steps.overall(i)
@@ -156,12 +161,21 @@ class AttemptWatch:
         if self.rules.deadline is not None and now >= self.rules.deadline:
             self.outcome = Outcome.TIMEOUT
             return StopAll(Outcome.TIMEOUT, "the run reached its --timeout", self._stop(self.pending), dump_stacks=True)
+        why = self.grow(self, now) if self.grow is not None and not self.failed_fast else None
+        if why:
+            self.outcome = Outcome.GROWN
+            return StopAll(Outcome.GROWN, why, self._stop(self.pending))
         stall = self.rules.stall_timeout_s
         if stall and all(now - self.activity[i] >= stall for i in self.pending):
             self.outcome = Outcome.STALLED
             return StopAll(Outcome.STALLED, f"no output or heartbeat from any host for {stall:g} s",
                            self._stop(self.pending), dump_stacks=True)
         return None
+
+    def saved_since(self, t: float) -> int | None:
+        """The step of the newest checkpoint a host reported saved after `t` (the loop's clock), if any."""
+        steps = [step for step, when in self.saved.values() if when >= t]
+        return max(steps) if steps else None
 
     def stragglers(self, now: float) -> list[str]:
         """One line per host that fell behind the others' step rate since the last call (or is back

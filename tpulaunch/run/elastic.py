@@ -1,0 +1,116 @@
+"""Elastic multislice (`--min-slices K`): train on the slices that survive, grow back when the lost ones return.
+
+When a slice is lost (preempted, its node gone) and at least K slices are left whole, the next
+attempt starts at once on those (`LaunchPlan.on_fleet`: the plan computed afresh for the smaller
+fleet, the DCN axis of the mesh shrunk). Meanwhile `Regrowth` brings the lost slices back in a
+thread of its own: through the Cloud TPU API (`--recreate`), by starting lost emulated hosts
+again, or by waiting for them in Ray. Once every host of them is alive and free in Ray, the
+running attempt is ended to grow back: at the first checkpoint a host reports after that
+(`tpulaunch.heartbeat(step=N, checkpoint=True)`), or `--grow-after S` seconds after, whichever the
+run asked for. Growing is a planned restart: it counts against no budget.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from tpulaunch.cluster.record import ClusterInfo
+from tpulaunch.errors import LaunchError, TpulaunchError
+from tpulaunch.plan.launch import LaunchPlan
+from tpulaunch.plan.mesh import elastic_axis
+from tpulaunch.plan.slicespec import SliceSpec
+
+
+def check(plan: LaunchPlan, min_slices: int) -> None:
+    """`--min-slices` on a plan: at most its slices, and the slices on one axis that can shrink."""
+    n = plan.mesh.num_slices
+    if not 1 <= min_slices <= n:
+        raise LaunchError(f"--min-slices {min_slices} is not between 1 and the run's {n} slice(s)",
+                          "give at most --num-slices; with --min-slices equal to it the run never shrinks")
+    if n > 1 and min_slices < n and elastic_axis(plan.mesh) is None:
+        raise LaunchError("--min-slices needs the slices on one mesh axis to shrink",
+                          "name that axis with --dcn, e.g. --dcn data=%d" % n)
+
+
+def whole(slices: list[str], hosts_per_slice: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(hosts of these slices not alive in Ray, hosts alive but busy), by (slice, worker id)."""
+    from tpulaunch.discover import ray_labels
+
+    want = {(s, w) for s in slices for w in range(hosts_per_slice)}
+    have = {(s.name, w): (alive, busy) for s in ray_labels.read_slices() for w, _ip, alive, busy in s.workers}
+    missing = sorted(k for k in want if not have.get(k, (False, False))[0])
+    busy = sorted(k for k in want if k not in missing and have[k][1])
+    return missing, busy
+
+
+class Regrowth:
+    """The lost slices coming back while the run trains on the others (a thread of its own).
+
+    `ready_at` (time.monotonic()) is set once every host of them is alive and free in Ray;
+    `error` says why they did not come back within `wait_s`. `slices` are the cluster's slice
+    specs after a re-creation (new addresses), for the grown plan."""
+
+    def __init__(self, cluster: ClusterInfo, plan: LaunchPlan, lost: list[str], *, recreate: bool, wait_s: float,
+                 grow_after: float | None, say: Callable[[str], None]) -> None:
+        self.cluster, self.lost, self.recreate, self.wait_s = cluster, lost, recreate, wait_s
+        self.grow_after, self.say = grow_after, say
+        self.hosts_per_slice = plan.topology.num_hosts
+        self.topology = plan.topology
+        self.ready_at: float | None = None
+        self.error: str | None = None
+        self.slices: list[SliceSpec] | None = None
+        self.recreated: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tpulaunch-regrowth", daemon=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        end = time.monotonic() + self.wait_s
+        try:
+            if self.recreate:
+                from tpulaunch.run import recreate
+
+                recs, self.slices = recreate.bring_back(self.cluster, self.lost, self.wait_s, self.say)
+                self.recreated = [r.to_dict() for r in recs]
+            restarted = False
+            while not self._stop.is_set():
+                missing, busy = whole(self.lost, self.hosts_per_slice)
+                if not missing and not busy:
+                    self.ready_at = time.monotonic()
+                    self.say(f"slice(s) {', '.join(self.lost)} back in Ray: the run grows back to them"
+                             + (f" {self.grow_after:g} s from now" if self.grow_after is not None
+                                else " at its next checkpoint"))
+                    return
+                if missing and not restarted and self.cluster.emulated and self.cluster.running_here:
+                    from tpulaunch.cluster import emulated
+
+                    self.say("starting the lost emulated host(s) again: " + ", ".join(f"{s} worker {w}" for s, w in missing))
+                    emulated.restart_hosts(self.cluster, self.topology, missing)
+                    restarted = True
+                    continue
+                if time.monotonic() >= end:
+                    self.error = f"slice(s) {', '.join(self.lost)} not back within --preemption-wait {self.wait_s:g} s"
+                    self.say(self.error + ": the run goes on without them")
+                    return
+                self._stop.wait(1.0)
+        except TpulaunchError as e:
+            self.error = e.line()
+            self.say(f"slice(s) {', '.join(self.lost)} not brought back: {self.error}; the run goes on without them")
+        except Exception as e:  # noqa: BLE001 - a thread's failure must not pass unseen
+            self.error = f"{type(e).__name__}: {e}"
+            self.say(f"slice(s) {', '.join(self.lost)} not brought back: {self.error}")
+
+    def should_grow(self, watch, now: float) -> str | None:  # noqa: ANN001 - an AttemptWatch
+        """Asked by the running attempt's watch: a reason to end it and grow back, or None."""
+        if self.ready_at is None:
+            return None
+        back = f"slice(s) {', '.join(self.lost)} are back"
+        if self.grow_after is not None:
+            return f"{back}: growing back ({self.grow_after:g} s after)" if now >= self.ready_at + self.grow_after else None
+        step = watch.saved_since(self.ready_at)
+        return f"{back}: growing back after the checkpoint of step {step}" if step is not None else None
