@@ -5,7 +5,19 @@ from __future__ import annotations
 import pytest
 
 
+# Modules that use no shared cluster and no machine-wide state (each starts its own clusters or fake
+# clouds, under a TPULAUNCH_HOME and temp dirs of its own): `./scripts/test` runs them, after the
+# unit tier, beside the others (which share one emulated cluster), in a second pytest process.
+APART = {
+    "test_cluster_remote.py", "test_elastic.py", "test_gcloud_config.py", "test_imports.py", "test_process_group.py",
+    "test_recreate.py", "test_run_discovered.py", "test_torch_tpu.py", "test_torch_xla_mesh.py", "test_warm.py",
+    "test_worker_programs.py",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/tests/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+            if item.fspath.basename in APART:
+                item.add_marker(pytest.mark.apart)

@@ -361,14 +361,13 @@ def test_launcher_sigterm_during_the_run(shared_cluster, workdir, tmp_path):
 @pytest.mark.lifecycle
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_launcher_signal_while_the_cluster_starts(workdir, tmp_path, sig, code):
-    before = set(Path("/tmp").glob("tpl-*"))
     env = cli_env(TPULAUNCH_HOME=str(tmp_path / "home"))
     launch = Launch(["sleepy.py", "--accelerator", "v4-16", "--framework", "none", "--log-dir", str(tmp_path / "runs")],
                     workdir, env)
     end = time.monotonic() + 60
-    while not (set(Path("/tmp").glob("tpl-*")) - before) and time.monotonic() < end:
+    while not _cluster_dirs(env["TPULAUNCH_HOME"]) and time.monotonic() < end:
         time.sleep(0.1)
-    ours = [str(d) for d in set(Path("/tmp").glob("tpl-*")) - before]
+    ours = _cluster_dirs(env["TPULAUNCH_HOME"])
     assert ours, "the cluster never started"
     time.sleep(1.0)  # while the first hosts start
     t0 = time.monotonic()
@@ -397,13 +396,22 @@ def _raylet_of(cluster_dir: str, worker: int) -> list[int]:
 
 def _own_cluster_launch(workdir, tmp_path, *flags):
     """A run on a cluster of its own: a 2-host v4-16 (what is lost is a node, not a slice size)."""
-    before = set(Path("/tmp").glob("tpl-*"))
     env = cli_env(TPULAUNCH_HOME=str(tmp_path / "home"))
     launch = Launch(["sleepy.py", "--accelerator", "v4-16", "--framework", "none", "--log-dir", str(tmp_path / "runs"),
                      "--json", *flags], workdir, env)
     launch.wait_for(r"\] ready \d attempt 0", 2)
-    (cluster_dir,) = [str(d) for d in set(Path("/tmp").glob("tpl-*")) - before]
+    (cluster_dir,) = _cluster_dirs(env["TPULAUNCH_HOME"])
     return launch, cluster_dir
+
+
+def _cluster_dirs(home: str) -> list[str]:
+    """The temp dirs (/tmp/tpl-*) of the clusters runs under this TPULAUNCH_HOME started: their Ray
+    processes inherit it (other tests may start clusters of their own at the same time)."""
+    found: set[bytes] = set()
+    for info in live_processes().values():
+        if f"TPULAUNCH_HOME={home}\0".encode() in info["environ"]:
+            found |= set(re.findall(rb"/tmp/tpl-[A-Za-z0-9_]+", info["cmdline"] + info["fds"]))
+    return sorted(d.decode() for d in found)
 
 
 @pytest.mark.cluster
