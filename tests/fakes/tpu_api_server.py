@@ -416,6 +416,7 @@ class FakeTpuApi:
             node["state"] = "PREEMPTED"
             node.pop("health", None)
             self.events.append(f"preempt {node_id}")
+            self._set_slice_state(name, "PREEMPTED")
             kill_workers(name, shutdown_s)
             qr = self.queued_resources.get(node.get("queuedResource") or "")
             if qr is not None and qr["state"]["state"] == "ACTIVE":
@@ -612,6 +613,17 @@ class FakeTpuApi:
         self.nodes.pop(name, None)
         _, project, _, zone, _, node_id = name.split("/")
         self._write_slice(f"{project}/{zone}/{node_id}", None)
+
+    def _set_slice_state(self, name: str, state: str) -> None:
+        """The fake gcloud refuses ssh to a node that is not READY, as the real one cannot reach a
+        stopped VM."""
+        if not self.gcloud_slices or not Path(self.gcloud_slices).exists():
+            return
+        _, project, _, zone, _, node_id = name.split("/")
+        key = f"{project}/{zone}/{node_id}"
+        entry = json.loads(Path(self.gcloud_slices).read_text()).get(key)
+        if entry is not None:
+            self._write_slice(key, {**entry, "state": state})
 
     def _write_slice(self, key: str, entry: dict | None) -> None:
         """Keep the fake gcloud's view of which VMs exist in step with the API's."""

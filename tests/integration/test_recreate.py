@@ -123,7 +123,9 @@ def cluster(cloud):
     made = cli(cloud, "slice", "create", NAME, "--accelerator", "v4-16", "--spot", "--wait", "--zone", ZONE,
                "--project", "p")
     assert made.returncode == 0, made.stderr
-    setup = f"echo \"setup worker $TPU_WORKER_ID\" >> {cloud['base']}/setup-runs.txt\necho ready\n"
+    # (a test makes the set-up slow with a flag file, to preempt a slice while it is being set up)
+    setup = (f"echo \"setup worker $TPU_WORKER_ID\" >> {cloud['base']}/setup-runs.txt\n"
+             f"if [ -e {cloud['base']}/slow-setup ]; then sleep 5; fi\necho ready\n")
     (cloud["base"] / "setup.sh").write_text(setup)
     up = cli(cloud, "cluster", "up", "--tpu", NAME, "--zone", ZONE, "--project", "p", "--head", "local",
              "--head-ip", "127.0.0.2", "--port", str(cloud["port"]), "--ray-temp-dir", cloud["temp_dir"],
@@ -302,7 +304,9 @@ def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
 def test_an_elastic_run_goes_on_on_a_while_b_is_recreated_then_grows_back(cluster):
     """`--min-slices 1`: preempting ms-b does not stop the run; the next attempt starts at once on
     ms-a while ms-b is made again in the background, and the run grows back to both slices at the
-    first checkpoint after ms-b is back in Ray."""
+    first checkpoint after ms-b is back in Ray. ms-b is preempted a second time while its new VM is
+    being set up: the fake gcloud cannot reach it any more, so the set-up fails, and it is made
+    again (a second preemption, counted)."""
     cloud, api = cluster, cluster["api"]
     api.set_capacity(stockout=False)
     for name in MS:  # the test before left ms-a preempted and the cluster down
@@ -313,12 +317,20 @@ def test_an_elastic_run_goes_on_on_a_while_b_is_recreated_then_grows_back(cluste
     up = up_two_slices(cloud)
     assert up.returncode == 0, up.stderr
     cloud["head_dir"] = json.loads((Path(cloud["env"]["TPULAUNCH_HOME"]) / "cluster.json").read_text())["temp_dir"]
-    run_id = submit(cloud, "--num-slices", "2", "--dcn", "data=2", "--min-slices", "1", "--max-preemptions", "2",
+    run_id = submit(cloud, "--num-slices", "2", "--dcn", "data=2", "--min-slices", "1", "--max-preemptions", "3",
                     "--preemption-wait", "240")
     wait_for_checkpoints(cloud, run_id)
     mark = len(api.events)
+    slow = cloud["base"] / "slow-setup"
+    slow.write_text("")
     preempt(cloud, MS[1])
     end = time.monotonic() + 120
+    while api.events[mark:].count(f"create {MS[1]}") < 1:  # made again: its new VM is being set up (slowly)
+        assert time.monotonic() < end, api.events[mark:]
+        time.sleep(0.1)
+    time.sleep(1.0)
+    preempt(cloud, MS[1])
+    slow.unlink()
     while True:  # the run goes on on ms-a alone, before ms-b is back
         d = json.loads(cli(cloud, "status", run_id, "--json", timeout=60).stdout)
         if d.get("attempt") == 1 and d["state"] == "running" and len(d["hosts"]) == 1:
@@ -335,10 +347,11 @@ def test_an_elastic_run_goes_on_on_a_while_b_is_recreated_then_grows_back(cluste
     assert [x["reason"] for x in a] == ["first", "shrink", "grow"], [(x["reason"], x["outcome"]) for x in a]
     assert a[0]["outcome"] in ("lost", "preempted") and [x["outcome"] for x in a[1:]] == ["grown", "ok"]
     assert (a[0]["slices"], a[1]["slices"], a[2]["slices"]) == (list(MS), [MS[0]], list(MS))
-    assert summary["preemptions"] == 1 and summary["restarts"] == 0
-    (rec,) = a[1]["recreated"]  # made again while attempt 1 ran on ms-a
+    assert summary["preemptions"] == 2 and summary["restarts"] == 0  # the shrink, and ms-b lost again
+    (rec,) = a[1]["recreated"]  # made again (twice) while attempt 1 ran on ms-a
     assert rec["slice"] == MS[1] and rec["queued_resource"] == MS[1]
-    assert api.events[mark:] == [f"preempt {MS[1]}", f"delete {MS[1]}", f"create {MS[1]}"]
+    assert api.events[mark:] == [f"preempt {MS[1]}", f"delete {MS[1]}", f"create {MS[1]}"] * 2
+    assert "lost again while being brought back" in log
     assert "host 0 attempt 1 is a shrink on 1 of 2 slices" in log
     for w in (0, 1):
         assert f"host {w} attempt 2 is a grow on 2 of 2 slices" in log and f"host {w} done at step" in log

@@ -21,7 +21,9 @@ PARENT = f"projects/p/locations/{ZONE}"
 
 @pytest.fixture
 def api(tmp_path):
-    with FakeTpuApi(wait_s=0.3, provision_s=0.3, suspend_s=0.3, stockout_fail_s=0.5,
+    # PROVISIONING lasts a second: the CLI's polls (0.5 s, then longer) see every state even when
+    # this machine is busy (a 0.3 s window could fall between two polls)
+    with FakeTpuApi(wait_s=0.3, provision_s=1.0, suspend_s=0.3, stockout_fail_s=0.5,
                     gcloud_slices=str(tmp_path / "slices.json")) as fake:
         yield fake
 

@@ -53,8 +53,10 @@ class Regrowth:
     specs after a re-creation (new addresses), for the grown plan."""
 
     def __init__(self, cluster: ClusterInfo, plan: LaunchPlan, lost: list[str], *, recreate: bool, wait_s: float,
-                 grow_after: float | None, say: Callable[[str], None]) -> None:
+                 grow_after: float | None, say: Callable[[str], None], budget: int = 0) -> None:
         self.cluster, self.lost, self.recreate, self.wait_s = cluster, lost, recreate, wait_s
+        self.budget = budget  # preemptions left: a slice preempted again while it is re-created spends one
+        self.again = 0  # ... and how many did
         self.grow_after, self.say = grow_after, say
         self.hosts_per_slice = plan.topology.num_hosts
         self.topology = plan.topology
@@ -73,10 +75,7 @@ class Regrowth:
         end = time.monotonic() + self.wait_s
         try:
             if self.recreate:
-                from tpulaunch.run import recreate
-
-                recs, self.slices = recreate.bring_back(self.cluster, self.lost, self.wait_s, self.say)
-                self.recreated = [r.to_dict() for r in recs]
+                self._recreate(end)
             restarted = False
             while not self._stop.is_set():
                 missing, busy = whole(self.lost, self.hosts_per_slice)
@@ -104,6 +103,44 @@ class Regrowth:
         except Exception as e:  # noqa: BLE001 - a thread's failure must not pass unseen
             self.error = f"{type(e).__name__}: {e}"
             self.say(f"slice(s) {', '.join(self.lost)} not brought back: {self.error}")
+
+    def _recreate(self, end: float) -> None:
+        """Make the lost slices again; one preempted again before it is back (its workers cannot be
+        set up) is made again once more, while the preemption budget and the wait allow."""
+        from tpulaunch.run import recreate
+
+        made = False  # the slices exist again: only setting them up and joining is left
+        while True:
+            try:
+                left = max(1.0, end - time.monotonic())
+                if made:
+                    self.slices = recreate.rejoin(self.cluster, self.lost, left, self.say)
+                else:
+                    recs, self.slices = recreate.bring_back(self.cluster, self.lost, left, self.say)
+                    self.recreated.extend(r.to_dict() for r in recs)
+                return
+            except recreate.RejoinFailed as e:
+                if self._stop.is_set() or time.monotonic() >= end:
+                    raise
+                made = not self._preempted_again()
+                if made:  # a step that failed (a VM slow to start Ray): set up and join again
+                    self.say(f"slice(s) {', '.join(self.lost)} not back yet ({e.line()}): joining them again")
+                    self._stop.wait(2.0)
+                    continue
+                if self.again >= self.budget:
+                    raise
+                self.again += 1
+                self.say(f"slice(s) {', '.join(self.lost)} lost again while being brought back ({e.line()}):"
+                         f" making them again (preemption {self.again} of the {self.budget} left)")
+
+    def _preempted_again(self) -> bool:
+        """Does the Cloud TPU API say a lost slice must be made again (preempted while it came back)?"""
+        from tpulaunch.run import recreate
+
+        remote = self.cluster.remote
+        assert remote is not None  # --recreate is refused without a remote cluster
+        return any(recreate.preempted(s, remote.project, remote.zone)[1] is not None
+                   for s in self.cluster.slices if s.name in self.lost)
 
     def should_grow(self, watch, now: float) -> str | None:  # noqa: ANN001 - an AttemptWatch
         """Asked by the running attempt's watch: a reason to end it and grow back, or None."""

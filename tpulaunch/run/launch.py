@@ -281,6 +281,8 @@ def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limi
             return spent, decision.why
         if decision.action in (policy.Action.SHRINK, policy.Action.GROW):
             spent = decision.spent
+            if decision.action is policy.Action.GROW:  # slices preempted again while they were brought back
+                spent = replace(spent, preemptions=spent.preemptions + sum(r.again for r in regrowths))
             if sigs.received is not None:
                 return spent, None
             current, full = _resize(decision.action, a, current, full, sorted(hit), regrowths, req, sink, cluster,
@@ -346,7 +348,8 @@ def _resize(action: policy.Action, a: Attempt, current: LaunchPlan, full: Launch
     if action is policy.Action.SHRINK:
         keep = [s.name for s in current.slices if s.name not in hit]
         regrowths.append(elastic.Regrowth(cluster, full, hit, recreate=req.recreate, wait_s=req.preemption_wait,
-                                          grow_after=req.grow_after, say=sink.progress))
+                                          grow_after=req.grow_after, say=sink.progress,
+                                          budget=req.max_preemptions - spent.preemptions))
         sink.progress(f"{a.who}: going on at once on {len(keep)} of {n} slices ({', '.join(keep)}) while"
                       f" {', '.join(hit)} come(s) back (preemption {spent.preemptions} of {req.max_preemptions})")
         timeline.emit("shrink", attempt=current.attempt + 1, slices=keep, lost=hit)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tpulaunch.cluster.record import ClusterInfo, save_record
-from tpulaunch.errors import LaunchError
+from tpulaunch.errors import LaunchError, TpulaunchError
 from tpulaunch.plan.slicespec import SliceSpec
 
 PREEMPTED_NODE = ("PREEMPTED", "TERMINATED", "STOPPED", "STOPPING", "DELETING")
@@ -102,6 +102,29 @@ def qr_id(spec: SliceSpec) -> str:
     return (spec.queued_resource or "").rsplit("/", 1)[-1]
 
 
+class RejoinFailed(TpulaunchError):
+    """A slice was made again but its new VMs could not be set up or joined (slow to start Ray, or
+    preempted again before they were)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"the re-created slice could not join: {why}", "see the slice's workers (`cluster status`)")
+
+
+def preempted(spec: SliceSpec, project: str, zone: str) -> tuple[str | None, str | None]:
+    """(the node's state, why the slice must be made again or None), as the Cloud TPU API says now."""
+    from tpulaunch import discover
+    from tpulaunch.errors import NodeNotFoundError
+    from tpulaunch.provision import capacity
+
+    qr = qr_id(spec)
+    try:
+        node_state = discover.describe_node(spec.name, zone=zone, project=project).state
+    except NodeNotFoundError:
+        node_state = None
+    qr_state = (capacity.get(project, zone, qr) or capacity.QrState(qr, "gone")).state if qr else None
+    return node_state, must_recreate(node_state, qr_state)
+
+
 def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
                say: Callable[[str], None]) -> tuple[list[Recreation], list[SliceSpec]]:
     """Ask the API about each slice in `lost`; re-create, set up and rejoin the preempted ones.
@@ -110,10 +133,7 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
     The unit of re-creation is the queued resource: slices made by their own queued resources
     come back one by one (the others keep running); the slices of one multislice queued resource
     are suspended together by the service, so they are made again together."""
-    from tpulaunch import discover
-    from tpulaunch.cluster.remote import RemoteCluster
     from tpulaunch.provision import capacity
-    from tpulaunch.errors import NodeNotFoundError
 
     end = time.monotonic() + deadline_s
     assert cluster.remote is not None  # refusal() said so before the run started
@@ -126,12 +146,7 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
         if spec.name not in lost or (qr and qr in seen):
             continue
         seen.add(qr)
-        try:
-            node_state = discover.describe_node(spec.name, zone=zone, project=project).state
-        except NodeNotFoundError:
-            node_state = None
-        qr_state = (capacity.get(project, zone, qr) or capacity.QrState(qr, "gone")).state if qr else None
-        why = must_recreate(node_state, qr_state)
+        node_state, why = preempted(spec, project, zone)
         if why is None:
             say(f"slice {spec.name}: the Cloud TPU API says it is {node_state}: a node was lost, not the slice;"
                 " waiting for it in Ray")
@@ -146,14 +161,31 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
         _st, took = capacity.recreate(project, zone, qr, max(1.0, end - time.monotonic()), say)
         rec.steps.update(took)
         t = time.monotonic()
-        for i in members:
-            name = specs[i].name
-            fresh = discover.describe_node(name, zone=zone, project=project)
-            say(f"slice {name}: ACTIVE again ({len(fresh.workers)} workers): setting up and joining the head")
-            # the head is off the slices (`refusal`): its address stays, only the workers are new
-            RemoteCluster.of(cluster).rejoin(cluster, i, fresh, lambda w, s, name=name: say(f"slice {name} worker {w}: {s}"),
-                                             max(1.0, end - time.monotonic()))
+        rejoin(cluster, [specs[i].name for i in members], end - time.monotonic(), say)
         rec.steps["setup_join_s"] = time.monotonic() - t
-        save_record(cluster)  # the record follows the new VMs (status, down, the next re-creation)
         done.append(rec)
     return done, list(cluster.slices)
+
+
+def rejoin(cluster: ClusterInfo, names: list[str], deadline_s: float, say: Callable[[str], None]) -> list[SliceSpec]:
+    """Set up the (new) VMs of these slices and join them to the head; the record follows them.
+    Returns the cluster's slices as they are now. Raises RejoinFailed."""
+    from tpulaunch import discover
+    from tpulaunch.cluster.remote import RemoteCluster
+
+    assert cluster.remote is not None
+    end = time.monotonic() + deadline_s
+    for i, spec in enumerate(list(cluster.slices)):
+        if spec.name not in names:
+            continue
+        try:
+            fresh = discover.describe_node(spec.name, zone=cluster.remote.zone, project=cluster.remote.project)
+            say(f"slice {spec.name}: ACTIVE again ({len(fresh.workers)} workers): setting up and joining the head")
+            # the head is off the slices (`refusal`): its address stays, only the workers are new
+            RemoteCluster.of(cluster).rejoin(cluster, i, fresh,
+                                             lambda w, s, name=spec.name: say(f"slice {name} worker {w}: {s}"),
+                                             max(1.0, end - time.monotonic()))
+        except TpulaunchError as e:
+            raise RejoinFailed(e.line()) from None
+    save_record(cluster)  # the record follows the new VMs (status, down, the next re-creation)
+    return list(cluster.slices)
