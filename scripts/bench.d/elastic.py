@@ -2,7 +2,7 @@
 
 On the fake Cloud TPU API with the head here: two spot v4-8 slices (one host each), `cluster up --tpu A
 --tpu B --head local`, a detached run with `--num-slices 2 --dcn data=2 --recreate --max-preemptions 1`
-whose script steps every 0.3 s to step 100 and saves every 2 steps (`heartbeat(step=N,
+whose script steps every 0.3 s to step 200 and saves every 2 steps (`heartbeat(step=N,
 checkpoint=True)`); slice B is preempted at step 10. The fake API takes PROVISION_S to provision a
 slice again (a real re-creation takes minutes; this keeps the bench short while the wait is long
 enough to matter). With `--min-slices 2` the run waits for B and relaunches on both; with
@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from fakes import closed_port, cli_env, run_cli  # noqa: E402
 from fakes.tpu_api_server import FakeTpuApi  # noqa: E402
 
-ZONE, SLICES, PROVISION_S, STEPS = "us-central2-b", ("el-a", "el-b"), 20.0, 100
+ZONE, SLICES, PROVISION_S, STEPS = "us-central2-b", ("el-a", "el-b"), 20.0, 200
 SCRIPT = f"""\
 import json, os, time
 import tpulaunch

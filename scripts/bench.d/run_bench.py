@@ -124,10 +124,12 @@ def elastic_section(_ctx: dict) -> str:
     return f"""## Elastic multislice: one preemption, waiting vs going on (fake Cloud TPU API)
 
 Measured on {datetime.date.today().isoformat()} (`scripts/bench.d/elastic.py`): two spot v4-8 slices under a head here, a
-detached run on both (`--dcn data=2 --recreate --max-preemptions 1`, 0.3 s steps to step 100, a save
+detached run on both (`--dcn data=2 --recreate --max-preemptions 1`, 0.3 s steps to step 200, a save
 every 2 steps), slice B preempted at step 10; the fake API takes {elastic.PROVISION_S:g} s to provision B again.
 `--min-slices 2` waits for B; `--min-slices 1` goes on on A and grows back at the first checkpoint
-after B is back. Goodput from `tpulaunch goodput` (productive time counts the steps of the slices that ran).
+after B is back. Goodput from `tpulaunch goodput`: the share of the wall time spent making steps. It counts
+time, not device-seconds: the shrunk attempt steps on half the devices (here the script's step time does
+not depend on them; a data-parallel job's global batch would take about twice as long per step on one slice).
 
 | run | wall (s) | goodput | productive (s) | recovery (s) | wasted (s) | attempts |
 | --- | ---: | ---: | ---: | ---: | ---: | --- |

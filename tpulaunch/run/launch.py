@@ -372,7 +372,8 @@ def attempts_brief(attempts: list[Attempt]) -> tuple[dict, ...]:
     out = []
     for a in attempts:
         out.append({"index": a.index, "outcome": str(a.outcome), "exit_code": a.exit_code, "who": a.who,
-                    "log_dir": a.log_dir, **({"recreated": a.recreated} if a.recreated else {})})
+                    "log_dir": a.log_dir, "reason": a.reason, "slices": list(a.slices),
+                    **({"recreated": a.recreated} if a.recreated else {})})
     return tuple(out)
 
 
