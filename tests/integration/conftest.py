@@ -19,5 +19,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/tests/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
-            if item.fspath.basename in APART:
+            # a module in APART, or a test with a cluster of its own that does not touch the shared one
+            own = item.get_closest_marker("lifecycle") is not None and "shared_cluster" not in item.fixturenames
+            if item.fspath.basename in APART or own:
                 item.add_marker(pytest.mark.apart)

@@ -36,7 +36,9 @@ HELLO = """
     time.sleep(args.sleep)
 """
 
-IDLE_S = 3  # shorter than the first run: the reaper (checking every second here) must wait for it
+# shorter than the first run (the reaper, checking every few seconds here, must wait for it), longer
+# than the next run takes to start and take the cluster on a busy machine (the suite's other stream)
+IDLE_S = 6
 
 
 def _run(work, home, log, *flags: str, script_args: tuple[str, ...] = (), debug: bool = False):

@@ -32,7 +32,7 @@ from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.timeline import Timeline
 from tpulaunch.run.prepare import LaunchRequest, Prepared, Target, recorded_slices
 from tpulaunch.run.status import RunState, RunView
-from tpulaunch.run.summary import Attempt, Outcome, RunSummary, exit_code_for
+from tpulaunch.run.summary import Attempt, Cause, Outcome, RunSummary, exit_code_for, first_failure, outcome_of
 
 
 # A host whose process failed as its VM went away: how long after its exit its Ray node may take
@@ -242,6 +242,32 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
             r.cancel()
 
 
+def _preempted_by_the_api(a: Attempt, plan: LaunchPlan, cluster: ClusterInfo) -> None:
+    """`--recreate`: a host whose process failed on a slice the Cloud TPU API says was preempted
+    was preempted (its VM's shutdown may end the script before its agent and raylet, so the loop
+    heard an exit, not a loss). The API is asked once per such slice."""
+    if a.outcome is not Outcome.FAILED or cluster.remote is None:
+        return
+    specs = {s.name: s for s in cluster.slices}
+    verdicts: dict[str, str | None] = {}
+    for h in a.hosts:
+        if h.exit_code in (None, 0) or h.stopped_by_tpulaunch or h.lost or h.preempted:
+            continue
+        name = plan.hosts[h.process_index].slice_name
+        if name not in verdicts and name in specs:
+            try:
+                verdicts[name] = recreate.preempted(specs[name], cluster.remote.project, cluster.remote.zone)[1]
+            except TpulaunchError:
+                verdicts[name] = None
+        why = verdicts.get(name)
+        if why:
+            h.preempted, h.cause, h.reason = f"slice {name}: {why}", Cause.PREEMPTED, f"preempted ({why}), then {h.reason}"
+    if any(verdicts.values()):
+        a.first_failure = first_failure(a.hosts)
+        a.outcome = outcome_of(a.first_failure)
+        a.exit_code = exit_code_for(a.outcome, a.first_failure)
+
+
 def _grow_when(regrowths: list[elastic.Regrowth]):  # noqa: ANN202 - the watch's grow callback, or None
     """Grow back once every lost slice is back (a slice that could not come back keeps the run small)."""
     if not regrowths:
@@ -265,6 +291,8 @@ def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limi
                       reason=current.reason)
         a = execute(current, sink, replace(limits, grow=_grow_when(regrowths)), sigs, gcs_address=gcs,
                     timeline=timeline)
+        if req.recreate:
+            _preempted_by_the_api(a, current, cluster)
         attempts.append(a)
         timeline.attempt_over(current.attempt)
         for h in a.hosts:  # each host's end: the last steps of a failed attempt are seen here only

@@ -286,6 +286,9 @@ def _warm_cluster_for(req: LaunchRequest) -> ClusterInfo | None:
         discover.resolve(req.slices, recorded_slices(rec))
     except TpulaunchError:
         return None  # another slice: start a cluster of its own
+    from tpulaunch.cluster import reaper
+
+    reaper.touch(rec.temp_dir)  # taken: its idle reaper waits again from now (the run marks it in use once connected)
     return rec
 
 
