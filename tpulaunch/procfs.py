@@ -241,3 +241,19 @@ def stop(pids: Iterable[int] | Callable[[], Iterable[int]], grace_s: float = 3.0
     while time.monotonic() < deadline and any(alive(p) for p in rest):
         time.sleep(0.05)
     return [p for p in rest if alive(p)]
+
+
+def exit_code(returncode: int) -> int:
+    """Popen's `-N` (killed by signal N) becomes the shell's `128+N`."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def exit_reason(code: int) -> str:
+    """`exit 3`, or `killed by signal 9 (SIGKILL)` for the shell's 128+N."""
+    if 128 < code < 128 + 65:
+        try:
+            name = signal.Signals(code - 128).name
+        except ValueError:
+            name = "?"
+        return f"killed by signal {code - 128} ({name})"
+    return f"exit {code}"

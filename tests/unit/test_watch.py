@@ -7,7 +7,8 @@ import signal
 import pytest
 
 from tpulaunch.host.protocol import PollReply
-from tpulaunch.run.summary import Cause, HostResult, Outcome, exit_code_for, exit_reason, first_failure
+from tpulaunch.procfs import exit_reason
+from tpulaunch.run.summary import Cause, HostResult, Outcome, exit_code_for, first_failure
 from tpulaunch.run.watch import (AttemptWatch, StopAll, StopOthers, StopRules, innermost_frame,
                                  where_hosts_are)
 

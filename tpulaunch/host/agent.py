@@ -161,11 +161,6 @@ def read_beat(path: str) -> dict:
         return {}
 
 
-def exit_code_of(returncode: int) -> int:
-    """Popen's `-N` (killed by signal N) becomes the shell's `128+N`."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def package_path() -> str:
     """A directory holding only `tpulaunch` (a link to this package): on the PYTHONPATH of a host
     process in another interpreter (`--python`), it finds the bootstrap and nothing else of ours."""
@@ -332,7 +327,7 @@ class HostProcess:
         return self.ended is not None
 
     def code(self) -> int:
-        return exit_code_of(self.proc.returncode)
+        return procfs.exit_code(self.proc.returncode)
 
     def terminate(self, grace_s: float = 3.0) -> int | None:
         """Stop the process group: SIGTERM, then SIGKILL after `grace_s`."""
@@ -345,7 +340,7 @@ class HostProcess:
                 pass
         for t in self.readers:
             t.join(timeout=DRAIN_S + 3.0)
-        return exit_code_of(p.returncode) if p.returncode is not None else None
+        return procfs.exit_code(p.returncode) if p.returncode is not None else None
 
 
 def _group_members(pgid: int) -> list[int]:

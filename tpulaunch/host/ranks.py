@@ -55,19 +55,6 @@ def _pump(stream, out, tag: str, lock: threading.Lock) -> None:  # noqa: ANN001 
     stream.close()
 
 
-def _code(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _reason(code: int) -> str:
-    if 128 < code < 128 + 65:
-        try:
-            return f"killed by signal {code - 128} ({signal.Signals(code - 128).name})"
-        except ValueError:
-            return f"killed by signal {code - 128}"
-    return f"exit {code}"
-
-
 def run(state: HostState, state_path: str) -> int:
     """Start this host's processes and wait for them. Returns the host's exit code."""
     lock = threading.Lock()
@@ -101,9 +88,9 @@ def run(state: HostState, state_path: str) -> int:
         time.sleep(0.05)
     if failed and not stopping[0]:
         rank, local, child = failed[0]
-        code = _code(child.returncode)
+        code = procfs.exit_code(child.returncode)
         with lock:
-            print(failed_line(rank, state.process_index, local, _reason(code), len(running)),
+            print(failed_line(rank, state.process_index, local, procfs.exit_reason(code), len(running)),
                   file=sys.stderr, flush=True)
     elif stopping[0]:
         code = 128 + stopping[0]

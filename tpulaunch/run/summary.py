@@ -57,17 +57,6 @@ class Cause(str, Enum):
 NEVER_RETRIED = (ExitCode.USAGE, ExitCode.BOOT_FAILED)
 
 
-def exit_reason(code: int) -> str:
-    """`exit 3`, or `killed by signal 9 (SIGKILL)` for the shell's 128+N."""
-    if 128 < code < 128 + 65:
-        try:
-            name = signal.Signals(code - 128).name
-        except ValueError:
-            name = "?"
-        return f"killed by signal {code - 128} ({name})"
-    return f"exit {code}"
-
-
 @dataclass
 class HostResult:
     """One host in one attempt (filled in while the attempt runs)."""

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 from tpulaunch.host.protocol import PollReply
 from tpulaunch.host.ranks import FAILED_RE as RANK_FAILED_RE
+from tpulaunch.procfs import exit_reason
 from tpulaunch.run.status import HostPhase, HostView
 from tpulaunch.run.steps import StepRates
-from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome, exit_code_for, exit_reason, first_failure, outcome_of
+from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome, exit_code_for, first_failure, outcome_of
 
 HEAD_LOST_AFTER = 3  # consecutive refused probes of the Ray head (GCS)
 
