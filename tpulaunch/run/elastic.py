@@ -21,6 +21,7 @@ from tpulaunch.errors import LaunchError, TpulaunchError
 from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.plan.mesh import elastic_axis
 from tpulaunch.plan.slicespec import SliceSpec
+from tpulaunch.plan.topology import Topology
 
 
 def check(plan: LaunchPlan, min_slices: int) -> None:
@@ -45,6 +46,31 @@ def whole(slices: list[str], hosts_per_slice: int) -> tuple[list[tuple[str, int]
     return missing, busy
 
 
+def wait_whole(cluster: ClusterInfo, topology: Topology, slices: list[str], wait_s: float,
+               stopped: Callable[[], bool], say: Callable[[str], None], poll: Callable[[float], object] = time.sleep) -> bool:
+    """Until every host of these slices is alive and free in Ray: True; False when `wait_s` passes
+    or `stopped()`. On an emulated cluster on this machine a lost host is started again, as a
+    repaired TPU VM rejoins a real slice; on a real cluster something else must bring it back
+    (`--recreate`, `tpulaunch cluster up --tpu` again, a queued resource, an autoscaler)."""
+    deadline = time.monotonic() + wait_s
+    restarted = False
+    while not stopped():
+        missing, busy = whole(slices, topology.num_hosts)
+        if not missing and not busy:
+            return True
+        if missing and not restarted and cluster.emulated and cluster.running_here:
+            from tpulaunch.cluster import emulated
+
+            say("starting the lost emulated host(s) again: " + ", ".join(f"{s} worker {w}" for s, w in missing))
+            emulated.restart_hosts(cluster, topology, missing)
+            restarted = True
+            continue
+        if time.monotonic() >= deadline:
+            return False
+        poll(0.5)
+    return False
+
+
 class Regrowth:
     """The lost slices coming back while the run trains on the others (a thread of its own).
 
@@ -58,7 +84,6 @@ class Regrowth:
         self.budget = budget  # preemptions left: a slice preempted again while it is re-created spends one
         self.again = 0  # ... and how many did
         self.grow_after, self.say = grow_after, say
-        self.hosts_per_slice = plan.topology.num_hosts
         self.topology = plan.topology
         self.ready_at: float | None = None
         self.error: str | None = None
@@ -76,27 +101,15 @@ class Regrowth:
         try:
             if self.recreate:
                 self._recreate(end)
-            restarted = False
-            while not self._stop.is_set():
-                missing, busy = whole(self.lost, self.hosts_per_slice)
-                if not missing and not busy:
-                    self.ready_at = time.monotonic()
-                    self.say(f"slice(s) {', '.join(self.lost)} back in Ray: the run grows back to them"
-                             + (f" {self.grow_after:g} s from now" if self.grow_after is not None
-                                else " at its next checkpoint"))
-                    return
-                if missing and not restarted and self.cluster.emulated and self.cluster.running_here:
-                    from tpulaunch.cluster import emulated
-
-                    self.say("starting the lost emulated host(s) again: " + ", ".join(f"{s} worker {w}" for s, w in missing))
-                    emulated.restart_hosts(self.cluster, self.topology, missing)
-                    restarted = True
-                    continue
-                if time.monotonic() >= end:
-                    self.error = f"slice(s) {', '.join(self.lost)} not back within --preemption-wait {self.wait_s:g} s"
-                    self.say(self.error + ": the run goes on without them")
-                    return
-                self._stop.wait(1.0)
+            if wait_whole(self.cluster, self.topology, self.lost, end - time.monotonic(), self._stop.is_set,
+                          self.say, poll=self._stop.wait):
+                self.ready_at = time.monotonic()
+                self.say(f"slice(s) {', '.join(self.lost)} back in Ray: the run grows back to them"
+                         + (f" {self.grow_after:g} s from now" if self.grow_after is not None
+                            else " at its next checkpoint"))
+            elif not self._stop.is_set():
+                self.error = f"slice(s) {', '.join(self.lost)} not back within --preemption-wait {self.wait_s:g} s"
+                self.say(self.error + ": the run goes on without them")
         except TpulaunchError as e:
             self.error = e.line()
             self.say(f"slice(s) {', '.join(self.lost)} not brought back: {self.error}; the run goes on without them")

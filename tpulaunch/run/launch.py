@@ -414,31 +414,9 @@ def _fresh_endpoints(plan: LaunchPlan):  # noqa: ANN202 - Endpoints
 
 
 def _wait_for_slice(plan: LaunchPlan, cluster: ClusterInfo, wait_s: float, sigs: Interrupts, sink: Sink) -> bool:
-    """Until every host of the plan's slices is alive and free in Ray (or `wait_s` passes).
-
-    On an emulated cluster on this machine a lost host is started again, as a repaired TPU VM
-    rejoins a real slice; on a real cluster something outside tpulaunch must bring it back
-    (`tpulaunch cluster up --tpu` again, a queued resource, an autoscaler).
-    """
-    from tpulaunch.discover import ray_labels
-
-    want = {(s.name, w.worker_id) for s in plan.slices for w in s.workers}
-    deadline = time.monotonic() + wait_s
-    restarted = False
-    while sigs.received is None:
-        have = {(s.name, w): (alive, busy) for s in ray_labels.read_slices() for w, _ip, alive, busy in s.workers}
-        missing = sorted(k for k in want if not have.get(k, (False, False))[0])
-        if not missing and not any(have[k][1] for k in want):
-            return True
-        if missing and not restarted and cluster.emulated and cluster.running_here:
-            sink.progress("starting the lost emulated host(s) again: " + ", ".join(f"{s} worker {w}" for s, w in missing))
-            emulated.restart_hosts(cluster, plan.topology, missing)
-            restarted = True
-            continue
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.5)
-    return False
+    """Until every host of the plan's slices is alive and free in Ray (or `wait_s` passes, or a stop)."""
+    return elastic.wait_whole(cluster, plan.topology, [s.name for s in plan.slices], wait_s,
+                              lambda: sigs.received is not None, sink.progress)
 
 
 def _summary(plan: LaunchPlan, attempts: list[Attempt], spent: policy.Spent, note: str | None,
