@@ -1,6 +1,8 @@
 """Goodput of a real run on the shared emulated 2x8: a script that saves every 20 steps, fails once at
 step 50 (`--max-restarts 1`) and resumes from step 40; in the foreground and detached. The script
-uses only `tpulaunch.heartbeat` (no framework is booted: what is measured is the launcher's clock)."""
+uses only `tpulaunch.heartbeat` (no framework is booted: what is measured is the launcher's clock).
+Its hosts step in lockstep, as SPMD hosts do (a file barrier stands for the step's collective):
+goodput reads one host's steps for the run's, which holds only if no host runs ahead."""
 
 from __future__ import annotations
 
@@ -20,8 +22,27 @@ import tpulaunch
 ctx = tpulaunch.context()
 ck = os.environ["CKPT"]
 start = json.load(open(ck))["step"] if os.path.exists(ck) else 0
+sync = f"{{ck}}.{{ctx.restart_count}}.sync"
+os.makedirs(sync, exist_ok=True)
+
+
+def all_done(step):  # the step's collective: no host goes on before every host has done it
+    mine = os.path.join(sync, str(ctx.process_index))
+    with open(mine + ".tmp", "w") as f:
+        f.write(str(step))
+    os.replace(mine + ".tmp", mine)
+    while True:
+        try:
+            if all(int(open(os.path.join(sync, str(i))).read()) >= step for i in range({HOSTS})):
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.002)
+
+
 for step in range(start + 1, 71):
     time.sleep({STEP_S})
+    all_done(step)
     tpulaunch.heartbeat(step=step)
     if step % 20 == 0:
         time.sleep({SAVE_S})
@@ -44,8 +65,10 @@ def _check(doc: dict) -> None:
     assert doc["schema"] == "tpulaunch.goodput/v1"
     b = doc["buckets"]
     assert abs(sum(b.values()) - doc["wall_s"]) <= 0.02 * doc["wall_s"], (b, doc["wall_s"])
-    assert b["wasted_progress"] == pytest.approx(10 * STEP_S, abs=0.2), b  # steps 41..50, redone
-    assert b["productive"] == pytest.approx(70 * STEP_S, rel=0.2), b  # the 70 unique steps
+    # steps 41..50, redone, against the 70 that counted (saves aside): each step took its sleep at
+    # least, and a busy machine stretches all of them, so the ratio of the two holds where seconds do not
+    assert b["wasted_progress"] >= 0.9 * 10 * STEP_S and b["productive"] >= 0.9 * 70 * STEP_S, b
+    assert b["wasted_progress"] / b["productive"] == pytest.approx(10 / 70, rel=0.5), b
     assert b["checkpoint"] == pytest.approx(3 * SAVE_S, abs=0.1), b  # saves at 20, 40 (kept) and 60
     assert [a["resume_step"] for a in doc["attempts"]] == [40, None]
     assert doc["goodput"] == pytest.approx(b["productive"] / doc["wall_s"], rel=0.01)
