@@ -7,9 +7,10 @@ to the fakes with its production client code.
 In order: on a one-slice cluster, a preemption the run survives (re-created, set up, rejoined,
 resumed from its checkpoint, exit 0); then a cluster of two slices (`cluster up --tpu A --tpu B
 --head local`), where a multislice run loses one slice and only that one is made again, then the
-other with the budget spent (exit 75); a stockout on re-create (exit 75 with the service's
-reason); `cluster down` leaves nothing behind; last, an elastic run (`--min-slices 1`) that goes
-on on A while B is re-created, then grows back to both.
+other with the budget spent (exit 75); then, A made again by hand and joined, an elastic run
+(`--min-slices 1`) that goes on on A while B is re-created, then grows back to both; last, on the
+cluster it leaves, a stockout on re-create (exit 75 with the service's reason), and `cluster down`
+leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -270,37 +271,6 @@ def _vm_tag(name: str) -> str:
     return f"{zlib.crc32(name.encode()) & 0xFFFF:04x}"
 
 
-def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
-    cloud = cluster
-    # the run before ended with ms-a preempted: bring it back by hand, as a person would; `cluster up`
-    # again sees its new VM and joins it (ms-b is already in the cluster)
-    for args in (["slice", "delete", MS[0]], ["slice", "create", MS[0], "--accelerator", "v4-8", "--spot", "--wait"]):
-        done = cli(cloud, *args, "--zone", ZONE, "--project", "p")
-        assert done.returncode == 0, done.stderr
-    again = up_two_slices(cloud)
-    assert again.returncode == 0, again.stderr
-    run_id = submit(cloud, "--num-slices", "2", "--max-preemptions", "1", "--preemption-wait", "4")
-    wait_for_checkpoints(cloud, run_id, step=2)
-    cloud["api"].set_capacity(stockout=True)
-    preempt(cloud, MS[0])
-    wait = cli(cloud, "wait", run_id, "--json", timeout=300)
-    assert wait.returncode == 75, wait.stdout + wait.stderr
-    final = json.loads(wait.stdout)
-    assert "There is no more capacity in the zone" in final["note"], final["note"]
-    assert "--preemption-wait 4" in final["note"]
-    creates_after = [e for e in cloud["api"].events[cloud["api"].events.index("stockout True"):] if e.startswith("create")]
-    assert len(creates_after) >= 2 and set(creates_after) == {f"create {MS[0]}"}  # asked again; ms-b left alone
-    down = cli(cloud, "cluster", "down", "--json", timeout=120)  # ms-a is gone: down still ends ms-b and the head
-    assert down.returncode == 0, down.stderr
-    hosts = json.loads(down.stdout)["hosts"]
-    assert hosts[f"{MS[0]}/0"]["gone"] and not hosts[f"{MS[1]}/0"].get("gone") and hosts[f"{MS[1]}/0"]["stopped"] > 0
-    # (on this one machine ms-b's stop, which ends every process carrying the cluster's id, also
-    # reaches the head's: what matters is that the head's stop ran and nothing is left)
-    assert "head" in hosts and hosts["head"]["left"] == []
-    left = [(pid, _cmdline(pid)) for pid in procs_of(cloud["temp_dir"]) + procs_of(cloud["head_dir"])]
-    assert left == [] and not Path(cloud["head_dir"]).exists()
-
-
 def test_an_elastic_run_goes_on_on_a_while_b_is_recreated_then_grows_back(cluster):
     """`--min-slices 1`: preempting ms-b does not stop the run; the next attempt starts at once on
     ms-a while ms-b is made again in the background, and the run grows back to both slices at the
@@ -308,15 +278,13 @@ def test_an_elastic_run_goes_on_on_a_while_b_is_recreated_then_grows_back(cluste
     being set up: the fake gcloud cannot reach it any more, so the set-up fails, and it is made
     again (a second preemption, counted)."""
     cloud, api = cluster, cluster["api"]
-    api.set_capacity(stockout=False)
-    for name in MS:  # the test before left ms-a preempted and the cluster down
-        cli(cloud, "slice", "delete", name, "--zone", ZONE, "--project", "p")
-        made = cli(cloud, "slice", "create", name, "--accelerator", "v4-8", "--spot", "--wait", "--zone", ZONE,
-                   "--project", "p")
-        assert made.returncode == 0, made.stderr
-    up = up_two_slices(cloud)
-    assert up.returncode == 0, up.stderr
-    cloud["head_dir"] = json.loads((Path(cloud["env"]["TPULAUNCH_HOME"]) / "cluster.json").read_text())["temp_dir"]
+    # the run before ended with ms-a preempted: bring it back by hand, as a person would; `cluster up`
+    # again sees its new VM and joins it (ms-b, made again by that run, is still in the cluster)
+    for args in (["slice", "delete", MS[0]], ["slice", "create", MS[0], "--accelerator", "v4-8", "--spot", "--wait"]):
+        done = cli(cloud, *args, "--zone", ZONE, "--project", "p")
+        assert done.returncode == 0, done.stderr
+    again = up_two_slices(cloud)
+    assert again.returncode == 0, again.stderr
     run_id = submit(cloud, "--num-slices", "2", "--dcn", "data=2", "--min-slices", "1", "--max-preemptions", "3",
                     "--preemption-wait", "240")
     wait_for_checkpoints(cloud, run_id)
@@ -356,5 +324,27 @@ def test_an_elastic_run_goes_on_on_a_while_b_is_recreated_then_grows_back(cluste
     for w in (0, 1):
         assert f"host {w} attempt 2 is a grow on 2 of 2 slices" in log and f"host {w} done at step" in log
     assert "growing back after the checkpoint of step" in log
-    down = cli(cloud, "cluster", "down", "--json", timeout=120)
+
+
+def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
+    cloud = cluster  # on the two slices the elastic run before grew back to, still up
+    run_id = submit(cloud, "--num-slices", "2", "--max-preemptions", "1", "--preemption-wait", "4")
+    wait_for_checkpoints(cloud, run_id, step=2)
+    cloud["api"].set_capacity(stockout=True)
+    preempt(cloud, MS[0])
+    wait = cli(cloud, "wait", run_id, "--json", timeout=300)
+    assert wait.returncode == 75, wait.stdout + wait.stderr
+    final = json.loads(wait.stdout)
+    assert "There is no more capacity in the zone" in final["note"], final["note"]
+    assert "--preemption-wait 4" in final["note"]
+    creates_after = [e for e in cloud["api"].events[cloud["api"].events.index("stockout True"):] if e.startswith("create")]
+    assert len(creates_after) >= 2 and set(creates_after) == {f"create {MS[0]}"}  # asked again; ms-b left alone
+    down = cli(cloud, "cluster", "down", "--json", timeout=120)  # ms-a is gone: down still ends ms-b and the head
     assert down.returncode == 0, down.stderr
+    hosts = json.loads(down.stdout)["hosts"]
+    assert hosts[f"{MS[0]}/0"]["gone"] and not hosts[f"{MS[1]}/0"].get("gone") and hosts[f"{MS[1]}/0"]["stopped"] > 0
+    # (on this one machine ms-b's stop, which ends every process carrying the cluster's id, also
+    # reaches the head's: what matters is that the head's stop ran and nothing is left)
+    assert "head" in hosts and hosts["head"]["left"] == []
+    left = [(pid, _cmdline(pid)) for pid in procs_of(cloud["temp_dir"]) + procs_of(cloud["head_dir"])]
+    assert left == [] and not Path(cloud["head_dir"]).exists()
