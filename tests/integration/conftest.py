@@ -6,19 +6,13 @@ import pytest
 
 
 # Modules that use no shared cluster and no machine-wide state (each starts its own clusters or fake
-# clouds, under a TPULAUNCH_HOME and temp dirs of its own): `./scripts/test` runs them beside the
-# others (which share one emulated cluster), in a second pytest process.
+# clouds, under a TPULAUNCH_HOME and temp dirs of its own): `./scripts/test` runs them, after the
+# unit tier, beside the others (which share one emulated cluster), in a second pytest process.
 APART = {
     "test_cluster_remote.py", "test_elastic.py", "test_gcloud_config.py", "test_imports.py", "test_process_group.py",
     "test_recreate.py", "test_run_discovered.py", "test_torch_tpu.py", "test_torch_xla_mesh.py", "test_warm.py",
     "test_worker_programs.py",
 }
-
-
-# Modules that use the shared cluster but none of the other modules' state: the second process runs
-# them too, on a shared cluster of its own (one more 2x8 to start, about 15 s of CPU), so that the
-# two processes take about the same time.
-SECOND = {"test_goodput.py", "test_preflight.py"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,5 +23,3 @@ def pytest_collection_modifyitems(config, items):
             own = item.get_closest_marker("lifecycle") is not None and "shared_cluster" not in item.fixturenames
             if item.fspath.basename in APART or own:
                 item.add_marker(pytest.mark.apart)
-            if item.fspath.basename in APART | SECOND or own:
-                item.add_marker(pytest.mark.beside)
