@@ -203,7 +203,8 @@ def wait_for_attempt_1(cloud, run_id: str) -> None:
         if d.get("attempt") == 1 and d["state"] == "running" and all(
                 (h.get("last_line") or "").startswith(("attempt 1", "step", "host")) for h in d["hosts"]):
             return
-        assert d["state"] in ("running", "restarting") and time.monotonic() < end, d
+        if d["state"] not in ("running", "restarting") or time.monotonic() >= end:  # the run's own words say why
+            pytest.fail(f"{d}\n--- the run's output ---\n" + cli(cloud, "logs", run_id, timeout=60).stdout[-6000:])
         time.sleep(1)
 
 
