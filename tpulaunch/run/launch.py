@@ -229,14 +229,9 @@ def _keep(cluster: ClusterInfo, req: LaunchRequest, sink: Sink) -> bool:
 def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, sigs: Interrupts,
               cluster: ClusterInfo, attempts: list[Attempt], timeline: Timeline) -> tuple[policy.Spent, str | None]:
     """Run attempts until the policy finishes the run; returns what was spent and why it finished."""
-    budgets = policy.Budgets(req.max_restarts, req.max_preemptions, req.kill_stale, req.min_slices or 0)
-    spent = policy.Spent()
-    gcs = None if cluster.address.startswith("ray://") else cluster.address
-    current = full = plan  # full: every slice the run asked for; current: the ones this attempt runs on
     regrowths: list[elastic.Regrowth] = []  # lost slices coming back while the run trains on the others
     try:
-        return _attempt_loop(plan, req, sink, limits, sigs, cluster, attempts, timeline, budgets, spent, gcs,
-                             current, full, regrowths)
+        return _attempt_loop(plan, req, sink, limits, sigs, cluster, attempts, timeline, regrowths)
     finally:
         for r in regrowths:
             r.cancel()
@@ -283,9 +278,12 @@ def _grow_when(regrowths: list[elastic.Regrowth]):  # noqa: ANN202 - the watch's
 
 
 def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, sigs: Interrupts,
-                  cluster: ClusterInfo, attempts: list[Attempt], timeline: Timeline, budgets: policy.Budgets,
-                  spent: policy.Spent, gcs: str | None, current: LaunchPlan, full: LaunchPlan,
+                  cluster: ClusterInfo, attempts: list[Attempt], timeline: Timeline,
                   regrowths: list[elastic.Regrowth]) -> tuple[policy.Spent, str | None]:
+    budgets = policy.Budgets(req.max_restarts, req.max_preemptions, req.kill_stale, req.min_slices or 0)
+    spent = policy.Spent()
+    gcs = None if cluster.address.startswith("ray://") else cluster.address
+    current = full = plan  # full: every slice the run asked for; current: the ones this attempt runs on
     while True:
         timeline.emit("attempt_start", attempt=current.attempt, slices=[s.name for s in current.slices],
                       reason=current.reason)
