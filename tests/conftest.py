@@ -28,19 +28,20 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import pytest
 
-from support import cli_env, run_cli
+from support import SHARED, cli_env, run_cli
 
 
 @pytest.fixture(scope="session")
 def shared_cluster(tmp_path_factory):
-    """One warm emulated 2x8 cluster (`tpulaunch cluster up`) for every test that launches on it.
+    """One warm emulated slice (`tpulaunch cluster up`, `support.SHARED`: a v5p-16, 2 hosts of 4 chips)
+    for every test that launches on it.
 
     Yields {"env": env reaching it (TPULAUNCH_HOME), "info": the `cluster up --json` document}.
     """
     home = tmp_path_factory.mktemp("tpl-home")
     env = cli_env(TPULAUNCH_HOME=str(home))
     # --dashboard: Ray Train's placement-group cleaner asks the state API the dashboard serves
-    up = run_cli("cluster", "up", "--topology", "2x8", "--dashboard", "--json", env=env, timeout=300)
+    up = run_cli("cluster", "up", *SHARED, "--dashboard", "--json", env=env, timeout=300)
     assert up.returncode == 0, up.stderr
     yield {"env": env, "info": json.loads(up.stdout), "home": home}
     down = run_cli("cluster", "down", env=env, timeout=120)

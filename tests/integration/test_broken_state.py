@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from support import cli_env, last_summary, processes_mentioning, run_cli, write_scripts
+from support import SHARED, cli_env, last_summary, processes_mentioning, run_cli, write_scripts
 from tpulaunch.cluster import ownership
 from tpulaunch.errors import ExitCode
 
@@ -144,7 +144,7 @@ LEAVER = """
 def test_a_host_ends_when_its_script_ends_and_what_it_left_is_stopped(shared_cluster, tmp_path):
     work = write_scripts(tmp_path, {"leaver.py": LEAVER})
     t0 = time.monotonic()
-    proc = run_cli("run", "leaver.py", "--topology", "2x8", "--address", "auto", "--framework", "none",
+    proc = run_cli("run", "leaver.py", *SHARED, "--address", "auto", "--framework", "none",
                    "--log-dir", str(tmp_path / "runs"), "--timeout", "120", cwd=work, env=shared_cluster["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert time.monotonic() - t0 < 60, "the run waited for what the script left"
@@ -163,7 +163,7 @@ def test_a_host_ends_when_its_script_ends_and_what_it_left_is_stopped(shared_clu
 @pytest.mark.cluster
 def test_keep_children_leaves_them_running_and_says_so(shared_cluster, tmp_path):
     work = write_scripts(tmp_path, {"leaver.py": LEAVER})
-    proc = run_cli("run", "leaver.py", "--topology", "2x8", "--address", "auto", "--framework", "none",
+    proc = run_cli("run", "leaver.py", *SHARED, "--address", "auto", "--framework", "none",
                    "--keep-children", "--log-dir", str(tmp_path / "runs"), cwd=work, env=shared_cluster["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = last_summary(tmp_path / "runs")
@@ -182,7 +182,7 @@ def test_keep_children_leaves_them_running_and_says_so(shared_cluster, tmp_path)
 
 @pytest.mark.cluster
 def test_exec_of_a_command_that_does_not_exist_says_so_in_every_host_log(shared_cluster, tmp_path):
-    proc = run_cli("exec", "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path), "--",
+    proc = run_cli("exec", *SHARED, "--address", "auto", "--log-dir", str(tmp_path), "--",
                    "/nonexistent/cmd", "--flag", cwd=tmp_path, env=shared_cluster["env"])
     assert proc.returncode == 127, proc.stderr
     s = last_summary(tmp_path)

@@ -1,5 +1,5 @@
 """The control plane from outside: a detached run's secret is seen nowhere but in its hosts, and the
-Python client (`tpulaunch.Client`, `tpulaunch.launch`) drives runs on the shared emulated 2x8 as a
+Python client (`tpulaunch.Client`, `tpulaunch.launch`) drives runs on the shared emulated slice as a
 notebook would (submit, status, follow logs, wait, stop, list), from a process of its own.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support import run_cli, write_scripts
+from support import SHARED, SHARED_HOSTS, run_cli, write_scripts
 from tpulaunch.cluster.jobs import JobApi
 from tpulaunch.cluster.emulated import ray_temp_dir
 from tpulaunch.run import detached
@@ -40,13 +40,13 @@ CLIENT = """
 
     client = tpulaunch.Client("auto")
     out = {}
-    run = client.submit("probe.py", topology="2x8", args=["3"], env={"TL_PROBE_SECRET": "notebook"}, framework="none")
+    run = client.submit("probe.py", topology="2x2x2", accelerator="v5p", args=["3"], env={"TL_PROBE_SECRET": "notebook"}, framework="none")
     out["id"] = run.id
     out["first_state"] = run.status().state
     out["lines"] = [line for line in run.logs(follow=True)]
     out["code"] = run.wait(timeout=300)
     out["final"] = run.status().to_dict()
-    long = client.submit("probe.py", topology="2x8", args=["600"], framework="none")
+    long = client.submit("probe.py", topology="2x2x2", accelerator="v5p", args=["600"], framework="none")
     import time
     while long.status().state != "RUNNING":
         time.sleep(0.3)
@@ -54,10 +54,10 @@ CLIENT = """
     out["stopped"] = [stopped.state, stopped.exit_code, long.wait()]
     out["runs"] = [r.id for r in client.runs()][:2]
     try:
-        client.submit("probe.py", topology="2x8", env={"1BAD": "x"})
+        client.submit("probe.py", topology="2x2x2", accelerator="v5p", env={"1BAD": "x"})
     except tpulaunch.client.TpulaunchError as e:
         out["bad"] = [type(e).__name__, e.exit_code, e.line()]
-    summary = tpulaunch.launch("probe.py", topology="2x8", args=["1"], address="auto", framework="none")
+    summary = tpulaunch.launch("probe.py", topology="2x2x2", accelerator="v5p", args=["1"], address="auto", framework="none")
     out["launch"] = [summary.exit_code, len(summary.hosts)]
     print("CLIENT " + json.dumps(out), flush=True)
 """
@@ -78,7 +78,7 @@ def _api(shared_cluster) -> JobApi:
 def test_a_detached_runs_env_values_reach_its_hosts_and_nothing_else(shared_cluster, work):
     secret = "tlsecret-" + secrets.token_hex(12)
     digest = hashlib.sha256(secret.encode()).hexdigest()
-    sub = run_cli("run", "probe.py", "--topology", "2x8", "--address", "auto", "--framework", "none", "--detach",
+    sub = run_cli("run", "probe.py", *SHARED, "--address", "auto", "--framework", "none", "--detach",
                   "--env", f"TL_PROBE_SECRET={secret}", "--", "600", cwd=work, env=shared_cluster["env"])
     assert sub.returncode == 0, sub.stderr
     run_id = sub.stdout.strip().splitlines()[-1]
@@ -122,12 +122,12 @@ def test_the_python_client_drives_runs_as_a_notebook_would(shared_cluster, work,
     line = next(l for l in proc.stdout.splitlines() if l.startswith("CLIENT "))
     out = json.loads(line.removeprefix("CLIENT "))
     assert out["first_state"] in ("PENDING", "RUNNING")
-    for host in range(4):
+    for host in range(SHARED_HOSTS):
         assert f"[host {host}] step 2" in out["lines"]
     assert out["code"] == 0
     final = out["final"]
-    assert final["state"] == "succeeded" and final["exit_code"] == 0 and len(final["hosts"]) == 4
+    assert final["state"] == "succeeded" and final["exit_code"] == 0 and len(final["hosts"]) == SHARED_HOSTS
     assert out["stopped"][0] == "STOPPED" and out["stopped"][1:] == [143, 143]
     assert out["runs"][1] == out["id"]  # newest first: the stopped run, then the first
     assert out["bad"] == ["LaunchError", 2, "--env '1BAD=x' is not KEY=VALUE. write it as --env NAME=value"]
-    assert out["launch"] == [0, 4]
+    assert out["launch"] == [0, SHARED_HOSTS]

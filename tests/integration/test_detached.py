@@ -1,4 +1,4 @@
-"""Detached runs on the shared emulated 2x8: the supervision as a Ray job on the head, read back with
+"""Detached runs on the shared emulated slice: the supervision as a Ray job on the head, read back with
 `runs`, `status`, `logs`, `stop`, `wait` from other processes, as a user in another terminal would.
 
 The scripts boot no framework (`--framework none`): what is under test is where the supervision
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from support import cli_env, run_cli, write_scripts
+from support import SHARED, SHARED_HOSTS, cli_env, run_cli, write_scripts
 from tpulaunch.cluster.emulated import ray_temp_dir
 from tpulaunch.errors import ExitCode
 
@@ -30,11 +30,11 @@ SCRIPTS = {
             print(f"tick {i} host {ctx.process_index}", flush=True)
             time.sleep(0.5)
     """,
-    "crash2.py": """
+    "crash1.py": """
         import sys, time, tpulaunch
         ctx = tpulaunch.context()
         print("up", ctx.process_index, flush=True)
-        if ctx.process_index == 2:
+        if ctx.process_index == 1:
             sys.exit(3)
         time.sleep(120)
     """,
@@ -75,7 +75,7 @@ def _until(cond, timeout: float = 120, every: float = 0.5):
 
 def _detach(shared_cluster, work, script, *flags):
     t0 = time.monotonic()
-    proc = cli(shared_cluster, "run", script, "--topology", "2x8", "--address", "auto", "--framework", "none",
+    proc = cli(shared_cluster, "run", script, *SHARED, "--address", "auto", "--framework", "none",
                "--detach", *flags, cwd=work)
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr
@@ -89,22 +89,22 @@ def _detach(shared_cluster, work, script, *flags):
 def test_a_detached_run_is_listed_watched_logged_stopped_and_waited_for(shared_cluster, work):
     run_id, took = _detach(shared_cluster, work, "tick.py")
     assert took < 15, "the submitting process returns within seconds"
-    # another process: the run, its 4 hosts running, host 2's own log
+    # another process: the run, its hosts running, host 1's own log
     runs = json.loads(cli(shared_cluster, "runs", "--json").stdout)["runs"]
     assert run_id in [r["run_id"] for r in runs] and next(r for r in runs if r["run_id"] == run_id)["script"] == "tick.py"
 
     def running():
         doc = json.loads(cli(shared_cluster, "status", run_id, "--json").stdout)
-        ok = doc["state"] == "running" and [h["state"] for h in doc["hosts"]] == ["running"] * 4
+        ok = doc["state"] == "running" and [h["state"] for h in doc["hosts"]] == ["running"] * SHARED_HOSTS
         return doc if ok and all(h["last_line"].startswith("tick") for h in doc["hosts"]) else None
 
     doc = _until(running)
-    assert [(h["process_index"], h["slice_index"], h["worker_id"]) for h in doc["hosts"]] == [(i, 0, i) for i in range(4)]
+    assert [(h["process_index"], h["slice_index"], h["worker_id"]) for h in doc["hosts"]] == [(i, 0, i) for i in range(SHARED_HOSTS)]
     assert all(h["since_last_s"] is not None and h["since_last_s"] < 30 for h in doc["hosts"])
-    log2 = cli(shared_cluster, "logs", run_id, "--host", "2")
-    assert log2.returncode == 0 and re.search(r"^tick \d+ host 2$", log2.stdout, re.M), log2.stderr
+    log1 = cli(shared_cluster, "logs", run_id, "--host", "1")
+    assert log1.returncode == 0 and re.search(r"^tick \d+ host 1$", log1.stdout, re.M), log1.stderr
     stream = cli(shared_cluster, "logs", "last")
-    assert "[host 0] tick" in stream.stdout and "[host 3] tick" in stream.stdout
+    assert "[host 0] tick" in stream.stdout and "[host 1] tick" in stream.stdout
     assert "EMULATED slice" in stream.stdout + stream.stderr
     # stop from yet another process: the same stop a SIGTERM gives a foreground launcher
     stop = cli(shared_cluster, "stop", run_id)
@@ -122,14 +122,14 @@ def test_a_detached_run_is_listed_watched_logged_stopped_and_waited_for(shared_c
 
 @pytest.mark.cluster
 def test_a_detached_run_whose_host_fails_waits_with_that_code_and_names_the_host(shared_cluster, work):
-    run_id, _ = _detach(shared_cluster, work, "crash2.py")
+    run_id, _ = _detach(shared_cluster, work, "crash1.py")
     wait = cli(shared_cluster, "wait", run_id, "--json")
     assert wait.returncode == 3, wait.stderr
     doc = json.loads(wait.stdout)
     assert doc["state"] == "failed" and doc["exit_code"] == 3
-    assert doc["attempts"][0]["who"] == "host 2 exit 3"
+    assert doc["attempts"][0]["who"] == "host 1 exit 3"
     status = cli(shared_cluster, "status", run_id)
-    assert "host 2 exit 3" in status.stdout and "exit=3" in status.stdout
+    assert "host 1 exit 3" in status.stdout and "exit=3" in status.stdout
 
 
 @pytest.mark.cluster
@@ -154,7 +154,7 @@ def test_a_foreground_run_on_a_remote_cluster_outlives_its_terminal(shared_clust
     (work / "short.py").write_text("import time, tpulaunch\nfor i in range(12):\n"
                                    "    print('beat', i, tpulaunch.context().process_index, flush=True)\n"
                                    "    time.sleep(0.5)\n")
-    term = subprocess.Popen([sys.executable, "-m", "tpulaunch", "run", "short.py", "--topology", "2x8", "--address",
+    term = subprocess.Popen([sys.executable, "-m", "tpulaunch", "run", "short.py", *SHARED, "--address",
                              info["address"], "--framework", "none"], cwd=work, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     first = term.stdout.readline()  # the run is going (on the head): what it prints comes back here
@@ -163,7 +163,7 @@ def test_a_foreground_run_on_a_remote_cluster_outlives_its_terminal(shared_clust
     term.wait()
     run_id = json.loads(run_cli("runs", "--address", info["address"], "--json", env=env).stdout)["runs"][-1]["run_id"]
     follow = run_cli("logs", run_id, "--follow", "--address", info["address"], env=env, timeout=120)
-    assert follow.returncode == 0 and "[host 3] beat 11 3" in follow.stdout, follow.stdout[-2000:] + follow.stderr
+    assert follow.returncode == 0 and "[host 1] beat 11 1" in follow.stdout, follow.stdout[-2000:] + follow.stderr
     wait = run_cli("wait", run_id, "--address", info["address"], env=env)
     assert wait.returncode == 0, wait.stderr
 
@@ -197,10 +197,10 @@ def test_stacks_of_a_detached_run_from_a_machine_with_only_the_token(shared_clus
         p = run_cli("stacks", run_id, "--address", dash, "--json", env=laptop, cwd=tmp_path, timeout=180)
         assert p.returncode == 0, p.stderr
         doc = json.loads(p.stdout)
-        assert doc["run_id"] == run_id and doc["hosts"] == [0, 1, 2, 3] and "(tick.py:" in doc["where"]
+        assert doc["run_id"] == run_id and doc["hosts"] == list(range(SHARED_HOSTS)) and "(tick.py:" in doc["where"]
         dumps = Path(doc["dir"])
         assert dumps.parent.resolve() == (_run_dir(shared_cluster, run_id) / "attempt-0").resolve()
-        assert all("tick.py" in (dumps / f"host-{i}.txt").read_text() for i in range(4))
+        assert all("tick.py" in (dumps / f"host-{i}.txt").read_text() for i in range(SHARED_HOSTS))
         assert json.loads(cli(shared_cluster, "status", run_id, "--json").stdout)["state"] == "running"
         listed = [r["run_id"] for r in json.loads(cli(shared_cluster, "runs", "--json").stdout)["runs"]]
         assert run_id in listed and not [r for r in listed if r.startswith("tpulaunch-")]  # the helper job is no run

@@ -2,7 +2,7 @@
 
 Each row asserts what the user sees: the exit code, the host blamed and why, that every host's
 log of every attempt is on disk, and that no host process (or Ray process of a cluster the run
-started) is left behind. Faults that do not damage the cluster run on the shared warm 2x8;
+started) is left behind. Faults that do not damage the cluster run on the shared warm slice;
 killing Ray nodes needs a cluster of its own.
 
 The scripts boot no framework (`--framework none`): what is under test is the supervision (blame,
@@ -25,16 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from support import cli_env, live_processes, processes_mentioning, run_cli, write_scripts
+from support import SHARED, SHARED_HOSTS, cli_env, live_processes, processes_mentioning, run_cli, write_scripts
 from fakes.metadata_server import FakeMetadataServer
 
-HOSTS = 4
+HOSTS = SHARED_HOSTS
 
 SCRIPTS = {
     "crash.py": """
         import sys, time, tpulaunch
-        if tpulaunch.context().process_index == 2:
-            print("host 2 giving up", flush=True)
+        if tpulaunch.context().process_index == 1:
+            print("host 1 giving up", flush=True)
             sys.exit(3)
         print("sleeping", flush=True)
         time.sleep(600)
@@ -53,12 +53,12 @@ SCRIPTS = {
             while True:
                 time.sleep(1)
 
-        def barrier():  # the others wait for host 2, as in the next collective of a training step
+        def barrier():  # the others wait for host 1, as in the next collective of a training step
             while not os.path.exists("never"):
                 time.sleep(1)
 
         print("started", flush=True)
-        if tpulaunch.context().process_index == 2:
+        if tpulaunch.context().process_index == 1:
             wait_forever()
         barrier()
     """,
@@ -178,7 +178,7 @@ def _assert_nothing_left(run_id: str, cluster_dirs: list[str] = ()) -> None:
 
 def _shared(shared_cluster, workdir, tmp_path, script, *flags, env_extra=None):
     env = dict(shared_cluster["env"], **(env_extra or {}))
-    return Launch([script, "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path), "--json",
+    return Launch([script, *SHARED, "--address", "auto", "--log-dir", str(tmp_path), "--json",
                    "--framework", "none", *flags], workdir, env)
 
 
@@ -190,10 +190,10 @@ def test_host_script_crash_blames_that_host(shared_cluster, workdir, tmp_path):
     rc, s = _shared(shared_cluster, workdir, tmp_path, "crash.py", "--no-dist").finish()
     assert rc == 3 and s["exit_code"] == 3
     f = s["first_failure"]
-    assert (f["process_index"], f["reason"]) == (2, "exit 3")
-    assert all(h["stopped_by_tpulaunch"] and h["exit_code"] == 143 for h in s["hosts"] if h["process_index"] != 2)
+    assert (f["process_index"], f["reason"]) == (1, "exit 3")
+    assert all(h["stopped_by_tpulaunch"] and h["exit_code"] == 143 for h in s["hosts"] if h["process_index"] != 1)
     _assert_logs(s, 1)
-    assert "host 2 giving up" in Path(f["log"]).read_text()
+    assert "host 1 giving up" in Path(f["log"]).read_text()
     _assert_nothing_left(s["run_id"])
     # the slice is free again for the next run
     status = json.loads(run_cli("cluster", "status", "--json", env=shared_cluster["env"]).stdout)
@@ -205,11 +205,11 @@ def test_host_process_sigkill(shared_cluster, workdir, tmp_path):
     launch = _shared(shared_cluster, workdir, tmp_path, "sleepy.py", "--no-dist")
     launch.wait_for(r"\] ready \d attempt 0", HOSTS)
     run_id = _run_id(tmp_path)
-    pid = _host_pid(run_id, 2)
+    pid = _host_pid(run_id, 1)
     os.kill(pid, signal.SIGKILL)
     rc, s = launch.finish()
     assert rc == 137
-    assert (s["first_failure"]["process_index"], s["first_failure"]["reason"]) == (2, "killed by signal 9 (SIGKILL)")
+    assert (s["first_failure"]["process_index"], s["first_failure"]["reason"]) == (1, "killed by signal 9 (SIGKILL)")
     _assert_logs(s, 1)
     _assert_nothing_left(run_id)
 
@@ -238,11 +238,11 @@ def test_stall_dumps_every_hosts_stack_and_names_where_it_hangs(shared_cluster, 
     assert rc == 124 and s["outcome"] == "stalled"
     assert time.monotonic() - stalled_at < 40, "exit 124 within seconds of the stall timeout"
     assert "no output or heartbeat from any host for 8 s" in s["note"]
-    assert "hosts 0,1,3: in barrier (hang.py:10); host 2: in wait_forever (hang.py:6)" in s["note"]
+    assert "host 0: in barrier (hang.py:10); host 1: in wait_forever (hang.py:6)" in s["note"]
     for h in s["hosts"]:
         stacks = Path(h["stacks"]).read_text()
         assert Path(h["stacks"]).parent == Path(s["attempts"][0]["log_dir"])
-        assert ("wait_forever" in stacks) == (h["process_index"] == 2), stacks
+        assert ("wait_forever" in stacks) == (h["process_index"] == 1), stacks
     _assert_logs(s, 1)
     _assert_nothing_left(s["run_id"])
 
@@ -299,7 +299,7 @@ def test_restart_budget_exhausted(shared_cluster, workdir, tmp_path):
 @pytest.mark.cluster
 @pytest.mark.parametrize("how", ["metadata notice", "SIGTERM to the host"])
 def test_preemption_gives_the_script_its_grace_and_relaunches(shared_cluster, workdir, tmp_path, how):
-    with FakeMetadataServer.for_slice("v6e-16", "4x4", worker=0) as md:
+    with FakeMetadataServer.for_slice("v5p-16", "2x2x2", worker=0) as md:
         md.values["instance/maintenance-event"] = "NONE"
         launch = _shared(shared_cluster, workdir, tmp_path, "preemptible.py", "--no-dist", "--max-preemptions", "1",
                          "--preemption-grace", "15", "--env", f"TPULAUNCH_METADATA_HOST={md.host}")
@@ -310,7 +310,7 @@ def test_preemption_gives_the_script_its_grace_and_relaunches(shared_cluster, wo
             launch.wait_for("saving checkpoint on SIGTERM", 1)
             md.values["instance/preempted"] = "FALSE"  # the VM is back
         else:
-            pid = _host_pid(run_id, 3)
+            pid = _host_pid(run_id, 1)
             agent = int(Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[1])
             os.kill(agent, signal.SIGTERM)
         rc, s = launch.finish()
@@ -321,7 +321,7 @@ def test_preemption_gives_the_script_its_grace_and_relaunches(shared_cluster, wo
     if how == "metadata notice":
         assert "preemption notice (instance/preempted=TRUE)" in reason
     else:
-        assert a0["first_failure"]["process_index"] == 3 and "got SIGTERM" in reason
+        assert a0["first_failure"]["process_index"] == 1 and "got SIGTERM" in reason
     blamed = Path(a0["first_failure"]["log"]).read_text()
     assert "saving checkpoint on SIGTERM" in blamed  # the script had its grace to save
     _assert_logs(s, 2)
@@ -335,7 +335,7 @@ def test_preemption_gives_the_script_its_grace_and_relaunches(shared_cluster, wo
 def test_dead_address_fails_fast(workdir):
     for extra in (["--dry-run"], []):
         t0 = time.monotonic()
-        proc = run_cli("run", "sleepy.py", "--topology", "2x8", "--address", "127.0.0.1:1", *extra, cwd=workdir,
+        proc = run_cli("run", "sleepy.py", *SHARED, "--address", "127.0.0.1:1", *extra, cwd=workdir,
                        timeout=60)
         assert proc.returncode == 5 and time.monotonic() - t0 < 20
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -416,25 +416,25 @@ def _cluster_dirs(home: str) -> list[str]:
 
 @pytest.mark.cluster
 def test_node_lost_is_blamed_and_the_slice_relaunched_on_a_restarted_node(shared_cluster, workdir, tmp_path):
-    """The raylet of host 2 of the shared cluster dies; tpulaunch starts that host again (the cluster
+    """The raylet of host 1 of the shared cluster dies; tpulaunch starts that host again (the cluster
     heals for the tests after this one) and relaunches the slice."""
     cluster_dir = os.path.dirname(shared_cluster["info"]["token_path"])
     launch = _shared(shared_cluster, workdir, tmp_path, "sleepy.py", "--no-dist", "--max-preemptions", "1",
                      "--preemption-wait", "120")
     launch.wait_for(r"\] ready \d attempt 0", HOSTS)
     run_id = _run_id(tmp_path)
-    pids = _raylet_of(cluster_dir, 2)
+    pids = _raylet_of(cluster_dir, 1)
     assert len(pids) == 1, pids
     os.kill(pids[0], signal.SIGKILL)
     rc, s = launch.finish()
     assert rc == 0 and s["preemptions"] == 1, json.dumps(s["attempts"][0]["first_failure"])
     a0, a1 = s["attempts"]
     assert a0["outcome"] == "lost" and a0["exit_code"] == 75
-    assert (a0["first_failure"]["process_index"], a0["first_failure"]["reason"]) == (2, "node lost")
+    assert (a0["first_failure"]["process_index"], a0["first_failure"]["reason"]) == (1, "node lost")
     assert a1["outcome"] == "ok"
     _assert_logs(s, 2)
     err = "".join(launch.err)
-    assert "starting the lost emulated host(s) again: emulated worker 2" in err, err
+    assert "starting the lost emulated host(s) again: emulated worker 1" in err, err
     assert "raylet" not in err and "A worker died" not in err, "Ray's own output stays in ray.log"
     _assert_nothing_left(run_id)
     status = json.loads(run_cli("cluster", "status", "--json", env=shared_cluster["env"]).stdout)

@@ -1,4 +1,4 @@
-"""Goodput of a real run on the shared emulated 2x8: a script that saves every 20 steps, fails once at
+"""Goodput of a real run on the shared emulated slice: a script that saves every 20 steps, fails once at
 step 50 (`--max-restarts 1`) and resumes from step 40; in the foreground and detached. The script
 uses only `tpulaunch.heartbeat` (no framework is booted: what is measured is the launcher's clock).
 Its hosts step in lockstep, as SPMD hosts do (a file barrier stands for the step's collective):
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from support import run_cli, write_scripts
+from support import SHARED, SHARED_HOSTS, run_cli, write_scripts
 
-STEP_S, SAVE_S, HOSTS = 0.05, 0.1, 4
+STEP_S, SAVE_S, HOSTS = 0.05, 0.1, SHARED_HOSTS
 
 SCRIPT = f"""
 import json, os, sys, time
@@ -77,7 +77,7 @@ def _check(doc: dict) -> None:
 @pytest.mark.cluster
 def test_goodput_of_a_run_that_fails_once_and_resumes(shared_cluster, work, tmp_path):
     env = shared_cluster["env"]
-    proc = run_cli("run", "train.py", "--topology", "2x8", "--address", "auto", "--framework", "none",
+    proc = run_cli("run", "train.py", *SHARED, "--address", "auto", "--framework", "none",
                    "--max-restarts", "1", "--env", f"CKPT={tmp_path / 'ck.json'}", "--log-dir", str(tmp_path / "runs"),
                    cwd=work, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -97,7 +97,7 @@ def test_goodput_of_a_run_that_fails_once_and_resumes(shared_cluster, work, tmp_
 @pytest.mark.cluster
 def test_goodput_of_a_detached_run(shared_cluster, work, tmp_path):
     env = shared_cluster["env"]
-    sub = run_cli("run", "train.py", "--topology", "2x8", "--address", "auto", "--framework", "none", "--detach",
+    sub = run_cli("run", "train.py", *SHARED, "--address", "auto", "--framework", "none", "--detach",
                   "--max-restarts", "1", "--env", f"CKPT={tmp_path / 'ck.json'}", cwd=work, env=env)
     assert sub.returncode == 0, sub.stderr
     run_id = sub.stdout.strip().splitlines()[-1]

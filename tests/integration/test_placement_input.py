@@ -1,8 +1,8 @@
 """Per-host input on a mesh whose layout is not host-contiguous (placement `auto`).
 
-On 2x8 with `--mesh data=8,model=2`, `auto` lays the mesh so that every row of `data` is one
-host's two devices, but a host's rows are no longer one contiguous block of the mesh (the old
-rule scored 2.75 hops per `data` ring step, this one 1.75). Each host loads its own share with the
+On the shared v5p 2x2x2 with `--mesh data=4,model=2`, `auto` lays the mesh so that every row of
+`data` is one host's two devices, but a host's rows are no longer one contiguous block of the mesh
+(host 0 holds rows 0 and 3; the old rule scored 2.5 hops per `data` ring step, this one 1.0). Each host loads its own share with the
 idioms of the frameworks' docs, and must find exactly that share on its own devices:
 
 * torch_xla: `DistributedSampler(num_replicas=process_count, rank=process_index)` with
@@ -17,10 +17,11 @@ import re
 
 import pytest
 
-from support import run_cli, write_scripts
+from support import SHARED, SHARED_HOSTS, run_cli, write_scripts
 
-HOSTS, F = 4, 8
-ROWS = 16  # the global batch: dataset rows 0..15; host r's sampler share is rows r, r+4, r+8, r+12
+HOSTS, F = SHARED_HOSTS, 8
+ROWS = 16  # the global batch: dataset rows 0..15; host r's sampler share is rows r, r+2, ..., r+14
+MESH = ("--mesh", "data=4,model=2")
 
 SCRIPTS = {
     "torch_rows.py": """
@@ -52,7 +53,7 @@ SCRIPTS = {
         mesh = tpulaunch.get_mesh()
         me, hosts = jax.process_index(), jax.process_count()
         data = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
-        local = data[me:16:hosts]  # the sampler's share: rows me, me+4, me+8, me+12
+        local = data[me:16:hosts]  # the sampler's share: rows me, me+hosts, ...
         batch = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
         shards = {d.id: sorted(int(r) for r in np.asarray(s.data)[:, 0] // 8)
                   for s in batch.addressable_shards for d in [s.device]}
@@ -75,12 +76,13 @@ def _rows(proc) -> dict[int, dict]:
 
 
 def _run(shared_cluster, workdir, tmp_path, script, framework):
-    dry = run_cli("mesh", "inspect", "--topology", "2x8", "--mesh", "data=8,model=2", "--json")
+    dry = run_cli("mesh", "inspect", *SHARED, *MESH, "--json")
     plan = json.loads(dry.stdout)
-    old = json.loads(run_cli("mesh", "inspect", "--topology", "2x8", "--mesh", "data=8,model=2", "--placement", "host",
-                             "--json").stdout)
+    old = json.loads(run_cli("mesh", "inspect", *SHARED, *MESH, "--placement", "host", "--json").stdout)
     assert plan["keeps_host_rows"] and plan["grid"] != old["grid"]  # a layout that is not the old one
-    proc = run_cli("run", script, "--topology", "2x8", "--mesh", "data=8,model=2", "--address", "auto",
+    firsts = [row[0] // 4 for row in plan["grid"]]  # the host of each row of `data`
+    assert firsts != sorted(firsts), plan["grid"]  # ... and a host's rows are not one block
+    proc = run_cli("run", script, *SHARED, *MESH, "--address", "auto",
                    "--framework", framework, "--log-dir", str(tmp_path), cwd=workdir, env=shared_cluster["env"],
                    timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
@@ -98,8 +100,8 @@ def test_torch_xla_minibatch_rows_land_on_their_hosts_devices(shared_cluster, wo
     for host, got in rows.items():
         _whole_global_batch(got)
         assert sum(plan["grid"], []) == got["grid"]  # the script's mesh is the plan's
-        # every device holds rows of the host that owns it: host h's share is rows h, h+4, h+8, h+12
-        assert sorted(int(d) for d in got["shards"]) == list(range(ROWS))
+        # every device holds rows of the host that owns it: host h's share is rows h, h+2, ..., h+14
+        assert sorted(int(d) for d in got["shards"]) == list(range(8))
         for dev, ids in got["shards"].items():
             assert ids and all(r % HOSTS == int(dev) // 4 for r in ids), (host, dev, ids)
 

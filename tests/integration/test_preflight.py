@@ -1,4 +1,4 @@
-"""Preflight, `tpulaunch stacks` and stragglers on the shared emulated 2x8 (4 hosts), each finding
+"""Preflight, `tpulaunch stacks` and stragglers on the shared emulated slice (2 hosts), each finding
 caused for real: a host whose Python sees another package version, a port held by a listener
 that never accepts, a process holding the libtpu lockfile, a host slowed with SIGSTOP/SIGCONT.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from support import last_summary, run_cli, write_scripts
+from support import SHARED, SHARED_HOSTS, last_summary, run_cli, write_scripts
 from tpulaunch.errors import ExitCode
 from tpulaunch.host.tpu_holders import LOCKFILE
 
@@ -77,7 +77,7 @@ def cli(shared_cluster, work, *args, env=None, **kw):
 
 
 def _run(shared_cluster, work, script, *flags, env=None):
-    return cli(shared_cluster, work, "run", script, "--topology", "2x8", "--address", "auto", "--framework", "none",
+    return cli(shared_cluster, work, "run", script, *SHARED, "--address", "auto", "--framework", "none",
                *flags, env=env)
 
 
@@ -127,7 +127,7 @@ def test_a_patch_version_apart_is_a_warning_and_the_run_goes_on(shared_cluster, 
         assert p.returncode == 0, p.stderr
         assert f"preflight warning: host 1 has torch {other}, the others torch {torch} (a patch version apart)" in p.stderr
         doc = json.loads(p.stdout)
-        assert len(list(work.glob(f"started-{doc['run_id']}-*"))) == 4
+        assert len(list(work.glob(f"started-{doc['run_id']}-*"))) == SHARED_HOSTS
     finally:
         shutil.rmtree(host1, ignore_errors=True)
 
@@ -148,7 +148,7 @@ def test_a_port_held_by_a_listener_that_never_accepts(shared_cluster, work):
     assert p.returncode == ExitCode.PREFLIGHT, p.stderr
     assert (f"preflight: host 0 cannot listen on port {port} (MASTER_PORT): something else holds it."
             " stop what holds it (`ss -ltnp`), or choose other ports") in p.stderr
-    assert f"preflight: hosts 1,2,3 cannot reach host 0:{port} (MASTER_PORT): timeout." in p.stderr
+    assert f"preflight: host 1 cannot reach host 0:{port} (MASTER_PORT): timeout." in p.stderr
     doc = json.loads(p.stdout)
     assert not list(work.glob(f"started-{doc['run_id']}-*"))
 
@@ -167,7 +167,7 @@ def test_a_process_holding_the_libtpu_lockfile(shared_cluster, work):
         holder.wait()
         lock.unlink(missing_ok=True)
     assert p.returncode == ExitCode.PREFLIGHT, p.stderr
-    for h in range(4):  # every emulated host shares this machine's /tmp, as a VM's processes would
+    for h in range(SHARED_HOSTS):  # every emulated host shares this machine's /tmp, as a VM's processes would
         assert f"preflight: host {h}'s TPU is held: pid {holder.pid} (sleep 300)" in p.stderr
     doc = json.loads(p.stdout)
     assert not list(work.glob(f"started-{doc['run_id']}-*"))
@@ -206,13 +206,13 @@ def _host_pid(run_id: str, index: int) -> int:
 
 def _start_loop(shared_cluster, work, *flags, loop_s: str = "600") -> tuple[subprocess.Popen, str]:
     (work / "stop-looping").unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "tpulaunch", "run", "loop.py", "--topology", "2x8", "--address", "auto",
+    proc = subprocess.Popen([sys.executable, "-m", "tpulaunch", "run", "loop.py", *SHARED, "--address", "auto",
                              "--framework", "none", "--env", f"LOOP_S={loop_s}", *flags],
                             env=shared_cluster["env"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     end = time.monotonic() + 120
-    while sum("looping" in ln for ln in lines) < 4:
+    while sum("looping" in ln for ln in lines) < SHARED_HOSTS:
         assert proc.poll() is None and time.monotonic() < end, "".join(lines)
         time.sleep(0.2)
     (run_dir,) = [d for d in (work / "runs").iterdir() if (d / "attempt-0").is_dir() and not (d / "summary.json").exists()]
@@ -226,16 +226,16 @@ def test_stacks_of_a_running_run_then_it_goes_on_to_exit_0(shared_cluster, work)
         p = cli(shared_cluster, work, "stacks", "--json", timeout=120)
         assert p.returncode == 0, p.stderr
         doc = json.loads(p.stdout)
-        assert doc["run_id"] == run_id and doc["attempt"] == 0 and doc["hosts"] == [0, 1, 2, 3] and doc["missing"] == []
-        # one line naming every host once, by the frame it is in: nearly always all four in train_step's
+        assert doc["run_id"] == run_id and doc["attempt"] == 0 and doc["hosts"] == list(range(SHARED_HOSTS)) and doc["missing"] == []
+        # one line naming every host once, by the frame it is in: nearly always all in train_step's
         # sleep, but a dump may catch one host between steps (in os.path.exists, the loop's own test)
         groups = [g.split(": in ", 1) for g in doc["where"].split("; ")]
         named = sorted(int(h) for who, _ in groups for h in who.split(" ", 1)[1].split(","))
-        assert named == [0, 1, 2, 3], doc["where"]
+        assert named == list(range(SHARED_HOSTS)), doc["where"]
         assert any(frame.startswith(("train_step (loop.py:", "<module> (loop.py:")) for _, frame in groups), doc["where"]
         dump_dir = Path(doc["dir"])
         assert dump_dir.parent == work / "runs" / run_id / "attempt-0" and dump_dir.name.startswith("stacks-")
-        for i in range(4):
+        for i in range(SHARED_HOSTS):
             text = (dump_dir / f"host-{i}.txt").read_text()
             assert "loop.py" in text and "Thread" in text
         human = cli(shared_cluster, work, "stacks", run_id, timeout=120)
@@ -266,8 +266,8 @@ def test_a_host_slowed_by_sigstop_is_named_a_straggler_and_rates_are_kept(shared
     assert proc.wait(timeout=60) == 0, "".join(proc.lines)
     said = [ln for ln in proc.lines if "straggler" in ln]
     assert said and said[0].startswith("tpulaunch: host 1 is a straggler: "), "".join(proc.lines)
-    assert not any(f"host {h} is a straggler" in ln for ln in said for h in (0, 2, 3))
+    assert not any(f"host {h} is a straggler" in ln for ln in said for h in range(SHARED_HOSTS) if h != 1)
     hosts = last_summary(work / "runs")["hosts"]
     rates = [h["step_rate"] for h in hosts]
-    assert all(r is not None for r in rates) and rates[1] < 0.7 * min(rates[0], rates[2], rates[3]), rates
-    assert [h["step"] > 0 for h in hosts] == [True] * 4
+    assert all(r is not None for r in rates) and rates[1] < 0.7 * min(r for i, r in enumerate(rates) if i != 1), rates
+    assert [h["step"] > 0 for h in hosts] == [True] * SHARED_HOSTS

@@ -1,8 +1,8 @@
 """Ray Train on an emulated slice: `TorchTrainer` / `JaxTrainer` with tpulaunch's backends.
 
 The planning from worker labels is tested as a pure function; the rest runs real Ray Train
-drivers (`eval "$(tpulaunch cluster env)"; python driver.py`) on the shared emulated 2x8
-cluster: 4 hosts of 4 chips, ranks in whatever order Ray places them.
+drivers (`eval "$(tpulaunch cluster env)"; python driver.py`) on the shared emulated v5p-16
+cluster: 2 hosts of 4 chips, ranks in whatever order Ray places them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, run_cli
+from support import REPO, SHARED_HOSTS, run_cli
 
 
 # -- real Ray Train runs on the shared emulated cluster -------------------------------------------
@@ -31,7 +31,7 @@ from ray.train.v2.jax import JaxTrainer
 from tpulaunch.ray_train import JaxSpmdConfig, XlaSpmdConfig
 
 OUT = sys.argv[1]
-SCALING = dict(num_workers=4, use_tpu=True, topology="2x8", accelerator_type="TPU-V6E", resources_per_worker={"TPU": 4})
+SCALING = dict(num_workers=2, use_tpu=True, topology="2x2x2", accelerator_type="TPU-V5P", resources_per_worker={"TPU": 4})
 
 
 def torch_loop(config):
@@ -101,12 +101,12 @@ for what in sys.argv[2:]:
         run(what, TorchTrainer(torch_loop, train_loop_config={"tag": what}, torch_config=XlaSpmdConfig(),
                                scaling_config=ScalingConfig(**SCALING), run_config=rc(what)))
     elif what == "restart":
-        run(what, TorchTrainer(torch_loop, train_loop_config={"tag": what, "fail_worker": 2},
+        run(what, TorchTrainer(torch_loop, train_loop_config={"tag": what, "fail_worker": 1},
                                torch_config=XlaSpmdConfig(), scaling_config=ScalingConfig(**SCALING),
                                run_config=rc(what, failures=1)))
-    elif what == "wrong-slice":  # the runtime sees 8 devices, the slice has 16
+    elif what == "wrong-slice":  # the runtime sees 4 devices, the slice has 8
         run(what, TorchTrainer(torch_loop, train_loop_config={"tag": what}, scaling_config=ScalingConfig(**SCALING),
-                               torch_config=XlaSpmdConfig(env={"CPU_NUM_DEVICES": "8"}), run_config=rc(what)))
+                               torch_config=XlaSpmdConfig(env={"CPU_NUM_DEVICES": "4"}), run_config=rc(what)))
     elif what == "jax":
         run(what, JaxTrainer(jax_loop, jax_config=JaxSpmdConfig(), scaling_config=ScalingConfig(**SCALING),
                              run_config=rc(what)))
@@ -131,7 +131,7 @@ def _records(tmp: Path, tag: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def train_runs(shared_cluster, tmp_path_factory):
-    """In one driver: a TorchTrainer run whose worker 2 fails once (its second attempt is the clean
+    """In one driver: a TorchTrainer run whose worker 1 fails once (its second attempt is the clean
     run the checks look at), one whose runtime sees another slice, and a JaxTrainer run. Each places
     its workers anew (Ray's rank order changes)."""
     tmp = tmp_path_factory.mktemp("ray-train")
@@ -153,15 +153,15 @@ def test_cluster_env_prints_what_a_driver_needs(shared_cluster):
 def test_torch_trainer_workers_are_their_tpu_hosts(train_runs):
     recs = _records(train_runs["dir"], "restart-1")
     assert json.loads((train_runs["dir"] / "outcome-restart.json").read_text()) == {"error": None}
-    assert sorted(r["process_index"] for r in recs) == [0, 1, 2, 3]
+    assert sorted(r["process_index"] for r in recs) == list(range(SHARED_HOSTS))
     for r in recs:
         assert r["process_index"] == r["tpu_worker_id"]  # whatever Ray's rank was
-        assert r["allreduce"] == 6.0
-        assert r["mesh"] == [[4, 4], ["data", "model"]]
+        assert r["allreduce"] == 1.0
+        assert r["mesh"] == [[2, 4], ["data", "model"]]
         assert r["exact"]
-        assert r["xr"] == [r["process_index"], 4] and r["dist"] == [r["process_index"], 4]
+        assert r["xr"] == [r["process_index"], 2] and r["dist"] == [r["process_index"], 2]
     # the workers' output reached the driver's terminal (Ray's log monitor on `cluster up` clusters;
-    # Ray folds lines that differ only in numbers, so one of the four is enough)
+    # Ray folds lines that differ only in numbers, so one of them is enough)
     out = train_runs["proc"].stdout + train_runs["proc"].stderr
     assert any(f"process {r['process_index']} is Ray Train rank {r['rank']}" in out for r in recs), out[-3000:]
 
@@ -170,12 +170,12 @@ def test_torch_trainer_workers_are_their_tpu_hosts(train_runs):
 def test_failure_config_restarts_the_group_with_a_new_mesh(train_runs):
     assert json.loads((train_runs["dir"] / "outcome-restart.json").read_text()) == {"error": None}
     first, second = _records(train_runs["dir"], "restart-0"), _records(train_runs["dir"], "restart-1")
-    assert len(first) < 4  # worker 2 failed before writing; the others may or may not have finished
-    assert all(r["restart"] == 0 and r["process_index"] != 2 for r in first)
-    assert sorted(r["process_index"] for r in second) == [0, 1, 2, 3]
+    assert len(first) < SHARED_HOSTS  # worker 1 failed before writing; the other may or may not have finished
+    assert all(r["restart"] == 0 and r["process_index"] != 1 for r in first)
+    assert sorted(r["process_index"] for r in second) == list(range(SHARED_HOSTS))
     for r in second:
-        assert r["restart"] == 1 and r["allreduce"] == 6.0 and r["exact"]
-        assert r["process_index"] == r["tpu_worker_id"] and r["mesh"] == [[4, 4], ["data", "model"]]
+        assert r["restart"] == 1 and r["allreduce"] == 1.0 and r["exact"]
+        assert r["process_index"] == r["tpu_worker_id"] and r["mesh"] == [[2, 4], ["data", "model"]]
 
 
 @pytest.mark.cluster
@@ -184,8 +184,8 @@ def test_a_worker_that_sees_another_slice_fails_with_one_line(train_runs):
     alone would keep it reserved and the next fit() would wait forever)."""
     error = json.loads((train_runs["dir"] / "outcome-wrong-slice.json").read_text())["error"]
     assert "tpulaunch: host 0 (slice emulated worker 0, Ray Train rank " in error  # the first host, by index
-    assert "the runtime has 8 devices but the planned mesh {'data': 4, 'model': 4} needs 16" in error
-    assert "(and 3 more host(s))" in error
+    assert "the runtime has 4 devices but the planned mesh {'data': 2, 'model': 4} needs 8" in error
+    assert "(and 1 more host(s))" in error
     assert not _records(train_runs["dir"], "wrong-slice")  # no loop ran
 
 
@@ -193,20 +193,21 @@ def test_a_worker_that_sees_another_slice_fails_with_one_line(train_runs):
 def test_jax_trainer_gets_the_mesh_and_the_worker_ids(train_runs):
     assert json.loads((train_runs["dir"] / "outcome-jax.json").read_text()) == {"error": None}
     recs = _records(train_runs["dir"], "jax")
-    assert sorted(r["process_index"] for r in recs) == [0, 1, 2, 3]
+    assert sorted(r["process_index"] for r in recs) == list(range(SHARED_HOSTS))
     for r in recs:
-        assert r["jax"] == [r["process_index"], 4] and r["process_index"] == r["tpu_worker_id"]
-        assert r["mesh"] == [[4, 4], ["data", "model"]] and r["exact"]
-        assert r["local"] == 4 and r["devices"] == 16
+        assert r["jax"] == [r["process_index"], 2] and r["process_index"] == r["tpu_worker_id"]
+        assert r["mesh"] == [[2, 4], ["data", "model"]] and r["exact"]
+        assert r["local"] == 4 and r["devices"] == 8
 
 
 @pytest.mark.cluster
 def test_the_recipe_trains_under_torch_trainer(shared_cluster, tmp_path):
     proc = _driver(shared_cluster, tmp_path, script=str(REPO / "recipes" / "ray_train_xla.py"),
-                   args=("--steps", "12", "--storage", str(tmp_path / "storage")))
+                   args=("--steps", "12", "--storage", str(tmp_path / "storage"), "--topology", "2x2x2",
+                         "--accelerator-type", "TPU-V5P", "--workers", str(SHARED_HOSTS)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout  # Ray Train 2.60 copies a worker's prints to stderr too
-    assert "mesh {'data': 4, 'model': 4}" in out and "host 0/4 (TPU worker 0" in out
+    assert "mesh {'data': 2, 'model': 4}" in out and "host 0/2 (TPU worker 0" in out
     losses = [float(line.rsplit("loss ", 1)[1]) for line in out.splitlines() if " loss " in line and "step " in line]
     assert len(losses) == 4, out[-2000:]  # steps 0, 5, 10, 11 from the coordinator
     assert losses[-1] < losses[0] * 0.8

@@ -1,6 +1,6 @@
 """`tpulaunch run` end to end on emulated slices: real Ray, real torch_xla, real gloo.
 
-Most tests share one warm emulated 2x8 cluster (`tpulaunch cluster up`), as users do with
+Most tests share one warm emulated v5p-16 (`tpulaunch cluster up`), as users do with
 `--address auto`. Tests about lifecycle (cold start, Ctrl-C) start and stop their own.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, cli_env, last_summary, processes_mentioning, run_cli, write_scripts
+from support import REPO, SHARED, SHARED_HOSTS, cli_env, last_summary, processes_mentioning, run_cli, write_scripts
 
 SCRIPTS = {
     "allreduce.py": """
@@ -53,41 +53,41 @@ def test_cluster_status_lists_the_slice(shared_cluster):
     doc = json.loads(proc.stdout)
     assert doc["emulated"] is True
     (s,) = doc["slices"]
-    assert s["name"] == "emulated" and s["pod_type"] == "v6e-16" and s["topology"] == "2x8"
-    assert [h["worker_id"] for h in s["hosts"]] == [0, 1, 2, 3]
+    assert s["name"] == "emulated" and s["pod_type"] == "v5p-16" and s["topology"] == "2x2x2"
+    assert [h["worker_id"] for h in s["hosts"]] == list(range(SHARED_HOSTS))
     assert all(h["alive"] and not h["busy"] for h in s["hosts"])
 
 
 def test_allreduce_over_gloo_sums_process_indices(shared_cluster, workdir, tmp_path):
-    proc = run_cli("run", "allreduce.py", "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path),
+    proc = run_cli("run", "allreduce.py", *SHARED, "--address", "auto", "--log-dir", str(tmp_path),
                    cwd=workdir, env=shared_cluster["env"])
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    for i in range(4):
-        assert f"[host {i}] allreduce 6 rank {i} world 4 mesh (4, 4) emulated True" in proc.stdout, proc.stdout
+    for i in range(SHARED_HOSTS):
+        assert f"[host {i}] allreduce 1 rank {i} world 2 mesh (2, 4) emulated True" in proc.stdout, proc.stdout
     assert "EMULATED slice" in proc.stderr
     summary = last_summary(tmp_path)
-    assert summary["exit_code"] == 0 and [h["exit_code"] for h in summary["hosts"]] == [0, 0, 0, 0]
-    for i in range(4):
+    assert summary["exit_code"] == 0 and [h["exit_code"] for h in summary["hosts"]] == [0] * SHARED_HOSTS
+    for i in range(SHARED_HOSTS):
         log = Path(summary["hosts"][i]["log"]).read_text()
-        assert f"allreduce 6 rank {i} world 4" in log
+        assert f"allreduce 1 rank {i} world 2" in log
 
 
 def test_script_args_env_and_workdir_reach_hosts(shared_cluster, workdir, tmp_path):
-    proc = run_cli("run", "args.py", "--topology", "2x8", "--address", "auto", "--env", "MY_FLAG=on",
+    proc = run_cli("run", "args.py", *SHARED, "--address", "auto", "--env", "MY_FLAG=on",
                    "--hosts", "0", "--framework", "none", "--log-dir", str(tmp_path), "--", "--lr", "0.1", "a b",
                    cwd=workdir, env=shared_cluster["env"])
     assert proc.returncode == 0, proc.stderr
     assert "[host 0] ARGV ['--lr', '0.1', 'a b'] ENV on CWD_HAS_SCRIPT True" in proc.stdout
     assert "[host 1]" not in proc.stdout, "--hosts 0 must hide other hosts on the terminal"
     summary = last_summary(tmp_path)
-    assert "ARGV" in Path(summary["hosts"][3]["log"]).read_text(), "hidden hosts are still logged"
+    assert "ARGV" in Path(summary["hosts"][1]["log"]).read_text(), "hidden hosts are still logged"
 
 
 def test_recipe_transformer_loss_falls(shared_cluster, tmp_path):
-    proc = run_cli("run", "recipes/transformer_2d.py", "--topology", "2x8", "--address", "auto",
+    proc = run_cli("run", "recipes/transformer_2d.py", *SHARED, "--address", "auto",
                    "--log-dir", str(tmp_path), "--", "--steps", "12", cwd=REPO, env=shared_cluster["env"], timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for i in range(4):
+    for i in range(SHARED_HOSTS):
         losses = [float(m) for m in re.findall(rf"\[host {i}\] host {i} step \d+ loss ([0-9.]+)", proc.stdout)]
         assert len(losses) >= 3, proc.stdout
         assert losses[-1] < losses[0] * 0.5, losses
@@ -100,19 +100,19 @@ def test_recipe_transformer_loss_falls(shared_cluster, tmp_path):
 def test_sigint_stops_everything_and_exits_130(shared_cluster, workdir, tmp_path):
     """Ctrl-C during a run (test_faults covers it while a cluster starts, and SIGTERM)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tpulaunch", "run", "sleepy.py", "--topology", "2x8", "--framework", "none", "--address", "auto",
+        [sys.executable, "-m", "tpulaunch", "run", "sleepy.py", *SHARED, "--framework", "none", "--address", "auto",
          "--log-dir", str(tmp_path / "runs")],
         cwd=workdir, env=shared_cluster["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     ready = 0
     deadline = time.monotonic() + 240
     assert proc.stdout is not None
-    while ready < 4 and time.monotonic() < deadline:
+    while ready < SHARED_HOSTS and time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
         ready += "ready" in line
-    assert ready == 4, "hosts never got ready"
+    assert ready == SHARED_HOSTS, "hosts never got ready"
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
@@ -125,17 +125,17 @@ def test_sigint_stops_everything_and_exits_130(shared_cluster, workdir, tmp_path
 
 
 def test_exec_runs_a_command_on_every_host(shared_cluster, tmp_path):
-    proc = run_cli("exec", "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path), "--",
+    proc = run_cli("exec", *SHARED, "--address", "auto", "--log-dir", str(tmp_path), "--",
                    sys.executable, "-c", "import os, socket; print('HOST', socket.gethostname(), os.environ['TPU_WORKER_ID'])",
                    cwd=tmp_path, env=shared_cluster["env"])
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if " HOST " in line]
-    assert sorted(line.split()[:2] for line in lines) == [["[host", f"{i}]"] for i in range(4)], proc.stdout
+    assert sorted(line.split()[:2] for line in lines) == [["[host", f"{i}]"] for i in range(SHARED_HOSTS)], proc.stdout
     assert all(line.endswith(f" {line[6]}") for line in lines), lines  # worker id matches the host number
 
 
 def test_exec_failure_gives_that_hosts_exit_code(shared_cluster, tmp_path):
-    proc = run_cli("exec", "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path), "--json", "--",
+    proc = run_cli("exec", *SHARED, "--address", "auto", "--log-dir", str(tmp_path), "--json", "--",
                    sys.executable, "-c", "import os, sys; sys.exit(4 if os.environ['TPU_WORKER_ID'] == '1' else 0)",
                    cwd=tmp_path, env=shared_cluster["env"])
     assert proc.returncode == 4, proc.stderr

@@ -2,8 +2,8 @@
 
 Every script here imports nothing of tpulaunch: its own `dist.init_process_group` (xla://,
 env://), its own `jax.distributed.initialize()`, per-host minibatch loading, distributed
-checkpoints saved in one run and restored in the next. They run on the shared warm emulated 2x8
-(4 hosts x 4 devices; 16 devices in every torch_xla host process), and must see what they would
+checkpoints saved in one run and restored in the next. They run on the shared warm emulated v5p-16
+(2 hosts x 4 devices; 8 devices in every torch_xla host process), and must see what they would
 see on the slice.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support import REPO, last_summary, run_cli, write_scripts
+from support import REPO, SHARED, SHARED_HOSTS, last_summary, run_cli, write_scripts
 
-HOSTS = 4
+HOSTS = SHARED_HOSTS
 
 SCRIPTS = {
     # torch.distributed the way pytorch/xla's SPMD docs open it; then destroyed and made again
@@ -133,7 +133,7 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def _run(shared_cluster, workdir, tmp_path, script, *args, flags=()):
-    proc = run_cli("run", script, "--topology", "2x8", "--address", "auto", "--log-dir", str(tmp_path), *flags,
+    proc = run_cli("run", script, *SHARED, "--address", "auto", "--log-dir", str(tmp_path), *flags,
                    "--", *args, cwd=workdir, env=shared_cluster["env"], timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     return proc
@@ -148,7 +148,7 @@ def _lines(proc, tag: str) -> dict[int, str]:
 @pytest.mark.cluster
 @pytest.mark.parametrize("method, flags", [("xla", ()), ("plain", ()), ("env-explicit", ("--no-dist",))])
 def test_a_scripts_own_process_group_is_the_slices(shared_cluster, workdir, tmp_path, method, flags):
-    """With tpulaunch's group (adopted) or without it (--no-dist): rank i of 4, destroy, init again.
+    """With tpulaunch's group (adopted) or without it (--no-dist): rank i of 2, destroy, init again.
 
     The host's CPU threads and priority are what the script gets when run by hand, not the 1 thread
     (OMP_NUM_THREADS) and nice 15 that Ray gives its own worker processes, and no variable of the
@@ -161,14 +161,14 @@ def test_a_scripts_own_process_group_is_the_slices(shared_cluster, workdir, tmp_
                              env=shared_cluster["env"], capture_output=True, text=True, check=True).stdout.strip()
     for i in range(HOSTS):
         assert threads[i] == f"{by_hand} omp=None ray=[]"
-        assert groups[i] == f"rank={i} world=4 sum=6"
-        # process i of 4, the slice's 16 devices, 4 of them this host's; in SPMD the global ordinal
+        assert groups[i] == f"rank={i} world=2 sum=1"
+        # process i of 2, the slice's 8 devices, 4 of them this host's; in SPMD the global ordinal
         # is the virtual device's (0) on every host, so torch_xla's own master check says True on
         # every host of a real slice too (pytorch/xla#7855): use xr.process_index() == 0.
-        assert runtime[i] == f"pi={i} pc=4 host={i} global=16 addressable=4 master=True ordinal=0"
+        assert runtime[i] == f"pi={i} pc=2 host={i} global=8 addressable=4 master=True ordinal=0"
         assert printed[i] == str(i)
         if method != "env-explicit":
-            assert again[i] == f"rank={i} world=4 sum=4"
+            assert again[i] == f"rank={i} world=2 sum=2"
     assert "DESTROYED False" in proc.stdout
     assert "twice" not in proc.stdout + proc.stderr
 
@@ -180,7 +180,7 @@ def test_a_jax_scripts_own_initialize(shared_cluster, workdir, tmp_path, how):
     seen = _lines(proc, "JAX")
     second = _lines(proc, "SECOND")
     for i in range(HOSTS):
-        assert seen[i] == f"pi={i} pc=4 devices=16 local=4 sum=6"
+        assert seen[i] == f"pi={i} pc=2 devices=8 local=4 sum=1"
         assert second[i] == "distributed.initialize should only be called once."
     assert proc.stdout.count("SHUTDOWN ok") == HOSTS
 
@@ -189,16 +189,17 @@ def test_a_jax_scripts_own_initialize(shared_cluster, workdir, tmp_path, how):
 def test_minibatch_input_forms_the_global_batch_and_checkpoints_restore(shared_cluster, workdir, tmp_path):
     data = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
     w = np.arange(8, dtype=np.float32)
-    # step 0 of the 4 samplers together is rows 0..15: the slice's global batch
+    # step 0 of the samplers together is rows 0..15: the slice's global batch
     want_loader = f"shape=(16, 8) sum={data[:16].sum():.1f} loss={(data[:16] @ w).sum():.1f}"
-    want_send = f"shape=(16, 8) sum={2 * data[:16].sum():.1f}"
+    # each host sends its own 4 rows: rows 0..7 together
+    want_send = f"shape=(8, 8) sum={2 * data[:8].sum():.1f}"
     ckpt = tmp_path / "ckpt"
     for run, verdict in enumerate(("SAVED", "LOADED equal=True")):
         proc = _run(shared_cluster, workdir, tmp_path / f"run{run}", "minibatch_ckpt.py", str(ckpt))
         loader, send, uneven = _lines(proc, "LOADER"), _lines(proc, "SEND"), _lines(proc, "UNEVEN")
         for i in range(HOSTS):
             assert loader[i] == want_loader
-            assert send[i].startswith(want_send + " sharding={devices=[4,1,4]")
+            assert send[i].startswith(want_send + " sharding={devices=[2,1,4]")
             assert uneven[i] == "When minibatch is configured, the per-host batch size must be divisible by local runtime device count"
         assert proc.stdout.count(f"] {verdict}") == HOSTS, proc.stdout[-2000:]
     assert (ckpt / ".metadata").exists()
@@ -209,7 +210,7 @@ def test_fsdpv2_recipe_resumes_from_its_checkpoint(shared_cluster, tmp_path):
     ckpt = tmp_path / "ckpt"
 
     def train(log: str):
-        proc = run_cli("run", "recipes/fsdpv2_decoder.py", "--topology", "2x8", "--address", "auto",
+        proc = run_cli("run", "recipes/fsdpv2_decoder.py", *SHARED, "--address", "auto",
                        "--log-dir", str(tmp_path / log), "--", "--steps", "4", "--ckpt-every", "2", "--layers", "1",
                        "--ckpt-dir", str(ckpt), cwd=REPO, env=shared_cluster["env"], timeout=500)
         assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
