@@ -5,7 +5,8 @@ SUSPENDED) while the fake gcloud runs every worker on this machine. Ray is real;
 to the fakes with its production client code.
 
 In order: on a one-slice cluster, a preemption the run survives (re-created, set up, rejoined,
-resumed from its checkpoint, exit 0); then a cluster of two slices (`cluster up --tpu A --tpu B
+resumed from its checkpoint, exit 0), and a run stopped in preflight by a process holding the libtpu
+lockfile; then a cluster of two slices (`cluster up --tpu A --tpu B
 --head local`), where a multislice run loses one slice and only that one is made again, then the
 other with the budget spent (exit 75); then, A made again by hand and joined, an elastic run
 (`--min-slices 1`) that goes on on A while B is re-created, then grows back to both; last, on the
@@ -27,6 +28,8 @@ import pytest
 from fakes import closed_port, cli_env, run_cli
 from fakes.tpu_api_server import FakeTpuApi
 from support import live_processes
+from tpulaunch.errors import ExitCode
+from tpulaunch.host.tpu_holders import LOCKFILE
 
 from test_cluster_remote import _cmdline, end_leftovers, procs_of, ssh_commands
 
@@ -185,6 +188,31 @@ def test_a_preempted_slice_is_recreated_rejoined_and_the_run_resumes(cluster):
             one = cli(cloud, "logs", run_id, "--host", str(w), "--attempt", str(k), timeout=60)
             assert one.returncode == 0 and f"attempt {k} host {w}" in one.stdout
     assert "re-creating it" in log and "ACTIVE again" in log
+
+
+def test_a_process_holding_the_libtpu_lockfile_stops_the_run_in_preflight(cluster):
+    """A leftover process holds the libtpu lockfile: preflight names it on every host and no script
+    starts (exit 78). (The fake VMs share this machine's /tmp; on a slice each VM has its own.
+    Emulated hosts hold no TPU and do not look, so the shared cluster's runs beside this one are
+    not stopped by it.)"""
+    lock = Path("/") / LOCKFILE
+    assert not lock.exists(), f"{lock} exists on this machine: this test will not touch another user's TPU lock"
+    holder = subprocess.Popen(["bash", "-c", f"exec 3>{lock}; exec sleep 300"])
+    try:
+        end = time.monotonic() + 10
+        while not lock.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        run_id = submit(cluster, "--max-preemptions", "1")
+        wait = cli(cluster, "wait", run_id, "--json", timeout=200)
+    finally:
+        holder.kill()
+        holder.wait()
+        lock.unlink(missing_ok=True)
+    log = cli(cluster, "logs", run_id, timeout=60).stdout
+    assert wait.returncode == ExitCode.PREFLIGHT, wait.stdout + wait.stderr + log[-3000:]
+    for w in range(WORKERS):
+        assert f"preflight: host {w}'s TPU is held: pid {holder.pid} (sleep 300)" in log, log[-3000:]
+    assert "starts at step" not in log and not list(cluster["ckpt"].iterdir()), "no script may start"
 
 
 MS = ("ms-a", "ms-b")  # two one-host spot slices, each made by its own queued resource

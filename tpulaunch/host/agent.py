@@ -463,7 +463,8 @@ class HostAgent:
 
     def preflight(self, state: HostState, options: HostOptions, request: PreflightRequest) -> PreflightReport:
         """Check this host before its script may start: what its process would see (run in its own
-        environment and working directory), who this node says it is, whether its TPU is free."""
+        environment and working directory), who this node says it is, whether its TPU is free (a
+        real TPU host's)."""
         import ray
 
         from tpulaunch.host import tpu_holders
@@ -493,7 +494,9 @@ class HostAgent:
                 error = f"the probe failed: {type(e).__name__}: {e}"
         rc = ray.get_runtime_context()
         labels = {k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(rc.get_node_labels()).items()}
-        report = tpu_holders.scan()
+        # An emulated host holds no TPU: a process with this machine's libtpu lockfile open (a real
+        # TPU job on the VM a slice is emulated on) takes nothing from it. Real hosts only, as at start.
+        report = tpu_holders.scan() if not state.emulated else tpu_holders.HoldersReport(devices=[])
         holders = tuple(f"pid {h.pid} ({h.cmdline[:60]})" for h in report.holders)
         return PreflightReport(
             process_index=state.process_index, probe=probe, node_worker_id=os.environ.get("TPU_WORKER_ID"),
