@@ -119,6 +119,23 @@ def become_subreaper() -> bool:
         return False
 
 
+_PR_SET_PDEATHSIG = 1
+_PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, -1
+
+
+def die_with_parent() -> None:
+    """In a child of ours: SIGKILL when its parent dies (PR_SET_PDEATHSIG: an agent's host process
+    goes with the agent, its node lost), and a sibling py-spy may read it (Yama's PR_SET_PTRACER)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)
+    except OSError:
+        pass
+
+
 def reap(pids: Iterable[int], timeout_s: float = 2.0) -> None:
     """Wait for those of `pids` that are our children (orphans handed to us as subreaper), so none
     outlives us as a zombie in our process group. Others are not ours to wait for: skipped."""

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from support import SHARED, SHARED_HOSTS, last_summary, run_cli, write_scripts
+from test_faults import _host_pid
 from tpulaunch.errors import ExitCode
 
 SCRIPTS = {
@@ -165,26 +166,6 @@ def test_no_preflight_skips_the_checks(shared_cluster, work):
         shutil.rmtree(host1, ignore_errors=True)
     assert p.returncode == 0, p.stderr
     assert "preflight" not in p.stderr and json.loads(p.stdout)["attempts"][0]["findings"] == []
-
-
-def _host_pid(run_id: str, index: int) -> int:
-    """The host process of `index` in run `run_id` (by the identity the agent gave its environment)."""
-    want = {f"TPULAUNCH_RUN_ID={run_id}".encode(), f"TPULAUNCH_PROCESS_INDEX={index}".encode()}
-    found = []
-    for e in os.listdir("/proc"):
-        if not e.isdigit():
-            continue
-        try:
-            env = set(Path(f"/proc/{e}/environ").read_bytes().split(b"\0"))
-            ppid = int(Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
-        if want <= env:
-            found.append((int(e), ppid))
-    pids = {p for p, _ in found}
-    tops = [p for p, pp in found if pp not in pids]
-    assert len(tops) == 1, found
-    return tops[0]
 
 
 def _start_loop(shared_cluster, work, *flags, loop_s: str = "600") -> tuple[subprocess.Popen, str]:

@@ -1,9 +1,11 @@
 """Warm hosts and kept clusters, end to end on an emulated v4 2x2x2 (2 hosts) of its own.
 
 `tpulaunch run --keep-cluster` leaves the cluster it started up; the next `tpulaunch run` (no
---address) takes it, and every host's spare process takes the run. A run whose environment
-differs from the spare's gets a fresh process and --debug says why. The reaper stops the kept
-cluster once it is idle, never while a run longer than the idle time is still using it.
+--address) takes it, and every host's spare forks the run's host process. A run whose environment
+differs from the spare's gets a fresh process and --debug says why; after it the spares carry its
+environment, and they stay: the runs after it are all forks of the same spares (no import again).
+The reaper stops the kept cluster once it is idle, never while a run longer than the idle time is
+still using it.
 
 The runs boot no framework (`--framework none`): spares are taken or not by the same rule whatever
 they imported, and torch_xla spares (`cluster up --prewarm torch_xla`) serve every torch_xla test
@@ -18,7 +20,7 @@ import time
 
 import pytest
 
-from support import cli_env, last_summary, processes_mentioning, run_cli, write_scripts
+from support import cli_env, last_summary, live_processes, processes_mentioning, run_cli, write_scripts
 
 HELLO = """
     import argparse
@@ -45,6 +47,13 @@ def _run(work, home, log, *flags: str, script_args: tuple[str, ...] = (), debug:
     return run_cli(*(["--debug"] if debug else []), "run", "hello.py", "--topology", "2x2x2", "--accelerator", "v4",
                    "--framework", "none", "--log-dir", str(log), *flags, "--", *script_args, cwd=work,
                    env=cli_env(TPULAUNCH_HOME=str(home)), timeout=300)
+
+
+def _spares(home) -> set[int]:
+    """The spare processes of this test's cluster (they carry its TPULAUNCH_HOME, as all its processes do)."""
+    mine = f"TPULAUNCH_HOME={home}\0".encode()
+    return {pid for pid, p in live_processes().items()
+            if b"tpulaunch.host.bootstrap\0--spare\0" in p["cmdline"] and mine in p["environ"]}
 
 
 def _hosts_said(out: str) -> list[tuple[int, int, int, str]]:
@@ -92,8 +101,17 @@ def test_kept_cluster_is_warm_for_the_next_run_and_reaped_once_idle(tmp_path):
         assert fourth.returncode == 0, fourth.stderr[-3000:]
         assert last_summary(logs / "4")["attempts"][0]["timings"]["prewarmed_hosts"] == 2
         assert _hosts_said(fourth.stdout) == [(0, 2, 0, "1"), (1, 2, 1, "1")]
+        spares = _spares(home)
+        assert len(spares) == 2, spares
 
-        # 5. idle now: the reaper stops the cluster and forgets it
+        # 5. and again: the same two spares fork this run's hosts too (none was replaced, nothing imported)
+        fifth = _run(work, home, logs / "5", "--env", "EXTRA=1", script_args=("--sleep", "0.1"))
+        assert fifth.returncode == 0, fifth.stderr[-3000:]
+        assert last_summary(logs / "5")["attempts"][0]["timings"]["prewarmed_hosts"] == 2
+        assert _hosts_said(fifth.stdout) == [(0, 2, 0, "1"), (1, 2, 1, "1")]
+        assert _spares(home) == spares
+
+        # 6. idle now: the reaper stops the cluster and forgets it
         # (the spares too: they carry this test's TPULAUNCH_HOME, as does the reaper until it ends)
         deadline = time.monotonic() + IDLE_S + 40
         while processes_mentioning([temp_dir, str(home)]) and time.monotonic() < deadline:

@@ -30,7 +30,7 @@ def dir_pids(path: str) -> list[int]:
 
 def run_pids(run_id: str) -> list[int]:
     """Host processes of one run on this machine: their environment holds its TPULAUNCH_RUN_ID, or
-    (a spare that took the run) they hold its heartbeat file open, named `tpulaunch-run-<id>-...`."""
+    (forked by a spare) they hold its heartbeat file open, named `tpulaunch-run-<id>-...`."""
     env_needle = f"TPULAUNCH_RUN_ID={run_id}".encode()
     fd_needle = "/" + run_marker(run_id)
     # only a spare (`tpulaunch.host.bootstrap --spare`) has its fds read: a raylet holds hundreds

@@ -7,10 +7,10 @@ environment, so the runtime (and the chips) belong to exactly one process whose 
 host's result, and which can be stopped as a process group. The child gets `PR_SET_PDEATHSIG` (if
 the agent dies, its node lost, the child dies too) and `PR_SET_PTRACER` (so py-spy may read it).
 
-Warm hosts: after a run on a cluster that stays up, the agent starts a *spare*: a bootstrap with
-Python started and the framework imported, runtime untouched, waiting on stdin for its state.
-The next run with the same environment (all but what `plan.env.split_env` calls per-run) takes it, skipping the
-interpreter start and the framework import; any other run gets a fresh process.
+Warm hosts: after a run on a cluster that stays up, the agent keeps a *spare*: a bootstrap with
+the framework imported, runtime untouched, that forks the host process of every later run with the
+same environment (all but what `plan.env.split_env` calls per-run), so those runs skip the
+interpreter start and the framework import (`spare.py`); any other run gets a fresh process.
 
 The driver long-polls `poll()`: it returns as soon as there are new output lines or the process
 ended, else after `wait_s`, with the time of the host's last sign of life (an output line or
@@ -26,7 +26,6 @@ and `poll()` reports the host as preempted, so the driver counts a preemption, n
 from __future__ import annotations
 
 import collections
-import ctypes
 import hashlib
 import json
 import os
@@ -45,6 +44,7 @@ from typing import Callable
 from tpulaunch import procfs
 from tpulaunch.errors import ExitCode
 from tpulaunch.host.context import HEARTBEAT_ENV, PY_STDIO_ENV, TIMINGS_ENV
+from tpulaunch.host.spare import Adopted, Spare
 from tpulaunch.host.protocol import (AgentInfo, HostOptions, HostRun, PollReply, PreflightReport, PreflightRequest,
                                      Started)
 from tpulaunch.plan.env import split_env
@@ -56,11 +56,11 @@ from tpulaunch.plan.contract import HostState
 NICENESS_ENV = "RAY_worker_niceness"
 _DROP = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "RAY_ADDRESS",
          "RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE", "RAY_LD_PRELOAD_ON_WORKERS", NICENESS_ENV)
-_PR_SET_PDEATHSIG = 1
-_PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, -1
 EXIT_TPU_BUSY = ExitCode.TPU_BUSY  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
 DRIVER_GONE_S = 60.0  # a run nobody polled for this long has lost its driver
 DRAIN_S = 2.0  # after a host's script exits: how long the output still in its pipes may take to arrive
+SPARE_WAIT_S = 60.0  # a run waits this long for a spare still importing its framework (then: a fresh process)
+FORK_WAIT_S = 30.0  # ... and this long for a ready spare's fork
 NAMESPACE = "tpulaunch"
 
 
@@ -131,16 +131,6 @@ def retire_other_agents(hosts: list[tuple[str, int]]) -> int:
     return asked
 
 
-def _child_setup() -> None:
-    """In the child, before exec: die with the agent; let a sibling py-spy trace us (Yama)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)
-    except OSError:
-        pass
-
-
 def read_beat(path: str) -> dict:
     """A heartbeat file's record (`host.context.heartbeat`), "STEP FIRST SINCE_FIRST [SAVED SAVE_S
     SINCE_SAVED]", as the PollReply's step fields, with ages measured now (the file's mtime is when
@@ -207,7 +197,7 @@ def _raylet_env() -> dict[str, str] | None:
 
 
 class HostProcess:
-    """One host process and everything it printed. A spare waits on stdin for its state.
+    """One host process and everything it printed: started fresh (`spawn`) or forked by a spare (`fork`).
 
     The host ends when its script's process ends: its exit code is final at once; output still in
     flight is read for `DRAIN_S`, then whatever the script left running (`leftovers`: daemons,
@@ -215,21 +205,14 @@ class HostProcess:
     `keep_children`. Nothing it left behind can hold the host "running" by holding its pipes.
     """
 
-    # Every host process and spare of this agent that has not exited, by pid. Spawning holds the
-    # lock, so a sweep for one process's leftovers (which holds it too) never sees another half
-    # started: a spare replaced while the next run's host starts is not the new host's end.
+    # Every host process of this agent that has not exited, by pid. Starting one holds the lock,
+    # so a sweep for one process's leftovers (which holds it too), or for orphans to reap, never
+    # sees another half started: the next run's host starting is not the old one's leftover.
     spawning = threading.Lock()
     running: set[int] = set()
 
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: str, spare: bool = False,
-                 leftovers: Callable[["HostProcess"], list[int]] | None = None) -> None:
-        py = argv[1:3] == ["-m", "tpulaunch.host.bootstrap"]
-        # The bootstrap writes Python's sys.stdout/sys.stderr to pipes of their own: native code
-        # (gloo, XLA) writing to fds 1/2 at the same time could otherwise split a printed line.
-        pipes = [os.pipe(), os.pipe()] if py else []
-        env = dict(env)
-        if pipes:
-            env[PY_STDIO_ENV] = f"{pipes[0][1]},{pipes[1][1]}"
+    def __init__(self, env: dict[str, str], start: Callable[[], tuple], leftovers: Callable[["HostProcess"], list[int]] | None = None) -> None:
+        """`start()` starts the process: (a Popen or `Adopted`, [(stream name, binary pipe), ...])."""
         self.env = env
         self.lines: collections.deque = collections.deque()
         self.cond = threading.Condition()
@@ -240,31 +223,56 @@ class HostProcess:
         self.leftovers = leftovers or (lambda _h: [])
         self.keep_children = False
         self._stop_reading = threading.Event()
-        try:
-            with HostProcess.spawning:
-                self.proc = subprocess.Popen(
-                    argv, env=env, cwd=cwd, stdin=subprocess.PIPE if spare else subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                    preexec_fn=_child_setup, bufsize=0, pass_fds=[w for _r, w in pipes],
-                )
-                HostProcess.running.add(self.proc.pid)
-        finally:
-            for _r, w in pipes:
-                os.close(w)
-        streams = [("stdout", self.proc.stdout), ("stderr", self.proc.stderr)]
-        streams += [(name, os.fdopen(r, "rb", buffering=0)) for name, (r, _w) in zip(("stdout", "stderr"), pipes)]
+        with HostProcess.spawning:
+            self.proc, streams = start()
+            HostProcess.running.add(self.proc.pid)
         for name, stream in streams:
             t = threading.Thread(target=self._pump, args=(name, stream), daemon=True)
             t.start()
             self.readers.append(t)
         threading.Thread(target=self._reap, daemon=True).start()
 
-    def hand_state(self, payload: dict) -> None:
-        """Give a spare its run: `{"state": path, "env": {...}, "cwd": dir}` (it applies and goes)."""
-        assert self.proc.stdin is not None
-        self.started = self.last_line = time.time()
-        self.proc.stdin.write((json.dumps(payload) + "\n").encode())
-        self.proc.stdin.close()
+    @classmethod
+    def spawn(cls, argv: list[str], env: dict[str, str], cwd: str,
+              leftovers: Callable[["HostProcess"], list[int]] | None = None) -> "HostProcess":
+        """A fresh process: the bootstrap (or `exec`'s command) in its own session, dying with us."""
+        py = argv[1:3] == ["-m", "tpulaunch.host.bootstrap"]
+        # The bootstrap writes Python's sys.stdout/sys.stderr to pipes of their own: native code
+        # (gloo, XLA) writing to fds 1/2 at the same time could otherwise split a printed line.
+        pipes = [os.pipe(), os.pipe()] if py else []
+        env = dict(env)
+        if pipes:
+            env[PY_STDIO_ENV] = f"{pipes[0][1]},{pipes[1][1]}"
+
+        def start() -> tuple:
+            try:
+                proc = subprocess.Popen(
+                    argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    start_new_session=True, preexec_fn=procfs.die_with_parent, bufsize=0,
+                    pass_fds=[w for _r, w in pipes])
+            except BaseException:
+                for r, _w in pipes:
+                    os.close(r)
+                raise
+            finally:
+                for _r, w in pipes:
+                    os.close(w)
+            streams = [("stdout", proc.stdout), ("stderr", proc.stderr)]
+            return proc, streams + [(name, os.fdopen(r, "rb", buffering=0)) for name, (r, _w) in zip(("stdout", "stderr"), pipes)]
+
+        return cls(env, start, leftovers)
+
+    @classmethod
+    def fork(cls, spare: Spare, state_path: str, env: dict[str, str], cwd: str, timeout_s: float,
+             leftovers: Callable[["HostProcess"], list[int]] | None = None) -> "HostProcess":
+        """A process forked by `spare` (its framework imported already) for one run's state."""
+
+        def start() -> tuple:
+            pid, fds = spare.fork(state_path, env, cwd, timeout_s)
+            names = ("stdout", "stderr", "stdout", "stderr")  # fds 1, 2, then Python's own two
+            return Adopted(pid), [(name, os.fdopen(fd, "rb", buffering=0)) for name, fd in zip(names, fds)]
+
+        return cls(env, start, leftovers)
 
     def push(self, stream: str, text: str) -> None:
         with self.cond:
@@ -370,7 +378,7 @@ class HostAgent:
         self._preempted: str | None = None
         self._grace_s = 30.0
         self._last_poll = time.time()
-        self._spares: dict[str, tuple[dict[str, str], HostProcess]] = {}
+        self._spares: dict[str, Spare] = {}  # by framework
         self._notes: list[str] = []  # tpulaunch's own lines for the next poll (a busy TPU)
         self._helpers: set[int] = set()  # short-lived children of ours (py-spy): never a host's leftover
         self._lock = threading.Lock()
@@ -407,7 +415,7 @@ class HostAgent:
 
         With `options.check_tpu` (real TPU hosts), first make sure no leftover process holds the
         chips (the failure users hit most after an interrupted run); `kill_stale` clears them.
-        A spare process with the same environment takes the run if there is one.
+        A spare with the same environment forks the host process if there is one.
         """
         with self._lock:
             self._end_leftover()
@@ -422,7 +430,7 @@ class HostAgent:
             with os.fdopen(fd, "wb") as f:
                 f.write(dumps_state(state))
             # Named for the run: every host process keeps it open, so /proc shows whose it is even
-            # for a spare, whose environment (/proc/<pid>/environ) predates its run.
+            # for one a spare forked, whose environment (/proc/<pid>/environ) is the spare's.
             fd, self._heartbeat = tempfile.mkstemp(prefix=f"{run_marker(run_id)}host{state.process_index}-")
             os.close(fd)
             fd, self._timings = tempfile.mkstemp(prefix="tpulaunch-timings-")
@@ -433,20 +441,25 @@ class HostAgent:
             cwd = options.cwd or os.getcwd()
             command = list(state.job.command)
             python = state.job.python
+            env = {**host_env(), **static, **per_run}
             if command or python:
                 spare, why = None, "a command, not a script" if command else "--python: the script's own interpreter"
             else:
-                spare, why = self._take_spare(state)
+                spare, why = self._spare_for(state)
             try:
+                self._host = None
                 if spare is not None:
-                    spare.hand_state({"state": path, "env": per_run, "cwd": cwd})
-                    self._host = spare
-                else:
+                    try:
+                        self._host = HostProcess.fork(spare, path, env, cwd, FORK_WAIT_S, leftovers=self._leftovers)
+                    except OSError as e:  # a fresh process instead; the spare is let go
+                        self._spares.pop(spare.framework, None)
+                        spare.close()
+                        spare, why = None, str(e)
+                if self._host is None:
                     argv = command or [python or sys.executable, "-m", "tpulaunch.host.bootstrap", path]
-                    env = {**host_env(), **static, **per_run}
                     if python:  # the bootstrap runs from this tpulaunch, nothing else of this environment
                         env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_path(), env.get("PYTHONPATH"))))
-                    self._host = HostProcess(argv, env, cwd, leftovers=self._leftovers)
+                    self._host = HostProcess.spawn(argv, env, cwd, leftovers=self._leftovers)
                 self._host.keep_children = options.keep_children
             except OSError as e:
                 self._host = None
@@ -515,19 +528,23 @@ class HostAgent:
         except (MetadataError, OSError):
             return None
 
-    def _take_spare(self, state: HostState) -> tuple[HostProcess | None, str]:
+    def _spare_for(self, state: HostState) -> tuple[Spare | None, str]:
+        """This host's spare for `state`'s run, ready to fork it, or why there is none. A spare of
+        another environment stays: the run after this one may share it again."""
         framework = state.framework
-        entry = self._spares.pop(framework, None)
-        if entry is None:
+        spare = self._spares.get(framework)
+        if spare is None:
             return None, f"no spare with {framework} imported"
-        env0, spare = entry
         if not spare.alive:
+            self._spares.pop(framework).close()
             return None, "the spare had exited"
         want = spare_env(state)
-        if want != env0:
-            spare.terminate(0.5)
-            keys = sorted(k for k in set(want) | set(env0) if want.get(k) != env0.get(k))
+        if want != spare.env:
+            keys = sorted(k for k in set(want) | set(spare.env) if want.get(k) != spare.env.get(k))
             return None, "the environment differs from the spare's in " + ", ".join(keys[:8])
+        if not spare.ready(SPARE_WAIT_S):  # still importing: it had that long, more than a fresh start needs
+            self._spares.pop(framework).close()
+            return None, f"the spare had not imported {framework} within {SPARE_WAIT_S:g} s"
         return spare, "a spare with the same environment"
 
     def _tpu_free(self, kill_stale: bool) -> bool:
@@ -613,29 +630,28 @@ class HostAgent:
         with self._lock:
             if self._host is not None and self._host.alive:
                 return False
-            for _env, spare in self._spares.values():
-                spare.terminate(0.5)
+            for spare in self._spares.values():
+                spare.close()
             self._spares.clear()
         ray.actor.exit_actor()
         return True
 
     def prewarm(self, state: HostState) -> bool:
-        """Start a spare with `state`'s framework imported and the environment runs like it share."""
+        """Keep a spare with `state`'s framework imported in the environment runs like it share: the
+        one there is if it has that environment, else a new one (the other let go)."""
         framework = state.framework
-        if state.job.python:  # a spare would be this environment's interpreter, not the script's
+        if state.job.python or not self._subreaper:  # another interpreter; or forks we could not wait for
             return False
         env0 = spare_env(state)
         old = self._spares.get(framework)
-        if old is not None and old[0] == env0 and old[1].alive:
+        if old is not None and old.env == env0 and old.alive:
             return True
         if old is not None:
-            old[1].terminate(0.5)
+            self._spares.pop(framework).close()
         try:
-            spare = HostProcess([sys.executable, "-m", "tpulaunch.host.bootstrap", "--spare", framework], env0,
-                                os.getcwd(), spare=True, leftovers=self._leftovers)
+            self._spares[framework] = Spare(framework, env0, os.getcwd())
         except OSError:
             return False
-        self._spares[framework] = (env0, spare)
         return True
 
     def _leftovers(self, host: HostProcess) -> list[int]:
@@ -643,14 +659,15 @@ class HostAgent:
 
         This agent is a child subreaper, so whatever the script started (forked, daemonized,
         `setsid` too) is re-parented below it when its parent dies: everything below the agent is
-        the script's, except the spares (and theirs) and our own helpers (py-spy). Only where the
+        the script's, except the spares (and theirs), other host processes and our own helpers (py-spy). Only where the
         kernel refused us that role (orphans go to init) are they found by the run's and host's
         identity in their environment, a read of every process on the machine.
         """
         with HostProcess.spawning:
             kids = procfs.subtree(os.getpid())
             keep = set(self._helpers)
-            for pid in HostProcess.running - {host.proc.pid}:  # the spares, the next run's host
+            others = (HostProcess.running - {host.proc.pid}) | {s.pid for s in list(self._spares.values())}
+            for pid in others:  # the spares, the next run's host
                 keep |= {pid, *procfs.descendants(pid, kids)}
             found = set(procfs.descendants(os.getpid(), kids))
         run, index = host.env.get("TPULAUNCH_RUN_ID"), host.env.get("TPULAUNCH_PROCESS_INDEX")
@@ -661,19 +678,21 @@ class HostAgent:
 
     def _reap_orphans(self) -> None:
         """Orphans re-parented to us (we are their subreaper) are ours to wait for, once they end;
-        never a child a Popen of ours waits for (its exit code would be lost)."""
-        managed = {spare.proc.pid for _env, spare in self._spares.values()} | set(self._helpers)
-        if self._host is not None:
-            managed.add(self._host.proc.pid)
-        me = os.getpid()
-        kids = procfs.child_pids(me)  # every 5 s on every host: its own children, not all of /proc
-        found = (procfs.Process(p) for p in kids) if kids is not None else procfs.processes()
-        for proc in found:
-            if proc.pid not in managed and proc.state() == "Z" and proc.ppid() == me:
-                try:
-                    os.waitpid(proc.pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
+        never a child a Popen of ours (or an `Adopted`'s thread) waits for (its exit code would be
+        lost). Under the spawning lock: a host process a spare just forked is ours before we look."""
+        with HostProcess.spawning:
+            managed = {s.pid for s in list(self._spares.values())} | set(self._helpers) | HostProcess.running
+            if self._host is not None:
+                managed.add(self._host.proc.pid)
+            me = os.getpid()
+            kids = procfs.child_pids(me)  # every 5 s on every host: its own children, not all of /proc
+            found = (procfs.Process(p) for p in kids) if kids is not None else procfs.processes()
+            for proc in found:
+                if proc.pid not in managed and proc.state() == "Z" and proc.ppid() == me:
+                    try:
+                        os.waitpid(proc.pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
 
     def _end_leftover(self) -> None:
         if self._host is not None and self._host.alive:

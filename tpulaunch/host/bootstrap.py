@@ -1,6 +1,7 @@
 """The process that trains, on one host: `python -m tpulaunch.host.bootstrap STATE.pkl`.
 
-The host agent starts it with the host's environment already applied. It unpickles the
+The host agent starts it with the host's environment already applied (or a warm host's spare,
+`--spare FRAMEWORK`, forks it: `host/spare.py`). It unpickles the
 HostState, boots the framework (SPMD mode first, then the mesh from the plan, then the gloo
 process group), installs `tpulaunch.context()` / `get_mesh()`, and runs the user's script as
 `__main__` with its own argv. The exit code is the script's.
@@ -17,7 +18,7 @@ import time
 import traceback
 
 _T0 = time.time()  # this interpreter's start, near enough
-_SPARE = [False]  # this process was a spare, its framework imported before the run
+_SPARE = [False]  # this process was forked by a spare, its framework imported before the run
 _MARKER: list[int] = []  # the fd of the run's heartbeat file, held open (see _hold_run_marker)
 
 from tpulaunch.host import context as ctx_mod
@@ -95,7 +96,7 @@ def boot(state: HostState, local_rank: int | None = None) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    _own_stdio()  # a second call (after wait_as_spare) finds the pipes set up and only line-buffers
+    _own_stdio()
     _hold_run_marker()
     with open(argv[0], "rb") as f:
         state: HostState = pickle.load(f)
@@ -108,7 +109,7 @@ def main(argv: list[str]) -> int:
     try:
         phases = boot(state, local_rank)
         started = phases.pop("started_s")
-        if not _SPARE[0]:  # a spare imported before its run came: the run paid only what was left
+        if not _SPARE[0]:  # a spare imported before its run came: the run paid nothing of it
             phases["import_s"] += started
         _record_phases({**phases, "spare": float(_SPARE[0])})
     except TpulaunchError as e:
@@ -153,32 +154,15 @@ def _flush() -> None:
             pass
 
 
-def wait_as_spare(framework: str) -> list[str] | None:
-    """A spare: import the framework now, then wait for a run (its state, env and cwd on stdin).
-
-    Nothing here touches the runtime (no PJRT client, no chips): on a TPU host the chips stay free
-    until the run's own boot. Returns main()'s argv, or None when the agent let the spare go.
-    """
-    import json
-
-    _own_stdio()
-    frameworks.get(framework).preload()
-    _SPARE[0] = True
-    line = sys.stdin.buffer.readline()
-    if not line.strip():
-        return None
-    payload = json.loads(line)
-    os.environ.update(payload["env"])
-    os.chdir(payload["cwd"])
-    return [payload["state"]]
-
-
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if argv[:1] == ["--spare"]:
-        argv = wait_as_spare(argv[1])
+        from tpulaunch.host import spare
+
+        argv = spare.serve(argv[1])  # in the spare: None when it is let go; in a host it forked: a run's
         if argv is None:
             os._exit(0)
+        _SPARE[0] = True
     # os._exit: skip interpreter teardown, where PJRT/gloo threads can hang after a clean run.
     rc = main(argv)
     _flush()
