@@ -10,7 +10,7 @@ import pytest
 # unit tier, beside the others (which share one emulated cluster), in a second pytest process.
 APART = {
     "test_cluster_remote.py", "test_elastic.py", "test_gcloud_config.py", "test_imports.py", "test_process_group.py",
-    "test_recreate.py", "test_run_discovered.py", "test_torch_tpu.py", "test_torch_xla_mesh.py", "test_warm.py",
+    "test_recreate.py", "test_run_discovered.py", "test_spare.py", "test_torch_tpu.py", "test_torch_xla_mesh.py", "test_warm.py",
     "test_worker_programs.py",
 }
 

@@ -14,8 +14,9 @@ spare's: the agent waits for it, stops its process group and reads its exit code
 it started itself, and it dies with the agent (PR_SET_PDEATHSIG, set once the agent is its
 parent). What a fork inherits that a fresh process would not: the spare's interpreter state as
 the import left it. Python's `random` is reseeded in every child (Python does it), NumPy's global
-generator too (here); the string hash seed is the spare's; /proc/PID/environ shows the spare's
-environment (the run's identity is in the run-named file the host process holds open).
+generator too (here), and `sys.path` starts with the run's working directory; the string hash seed
+is the spare's; /proc/PID/environ shows the spare's environment (the run's identity is in the
+run-named file the host process holds open).
 
 Protocol (a SOCK_SEQPACKET socketpair; the spare's end is fd $TPULAUNCH_SPARE_FD): the spare sends
 `{"ready": true}` once imported. A request is `{"state": PATH, "env": {...}, "cwd": DIR, "agent":
@@ -218,8 +219,11 @@ def _become_host(sock: socket.socket, request: dict, fds: list[int]) -> list[str
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ[PY_STDIO_ENV] = f"{py_out},{py_err}"
+    was = os.getcwd()
     os.chdir(request["cwd"])
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:  # as a fresh process's would be: seeded from the OS, not the spare's
-        numpy.random.seed()
+    if sys.path and sys.path[0] == was:  # `python -m` put the spare's working directory first: the run's
+        sys.path[0] = os.getcwd()
+    random = sys.modules.get("numpy.random")
+    if random is not None:  # as a fresh process's would be: seeded from the OS, not the spare's
+        random.seed()
     return [request["state"]]
