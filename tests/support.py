@@ -109,3 +109,29 @@ def invoke_json(*args: str, env: dict[str, str] | None = None) -> dict:
     proc = invoke(*args, "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+def status_doc(env: dict[str, str], run_id: str) -> dict:
+    """What `tpulaunch status RUN --json` prints, asked from this process through the Python client.
+
+    For loops that wait for a run to reach a state: they look every half second, and a CLI process
+    per look costs most of a CPU-second on a 2-core machine. (The CLI's own output is asserted by
+    the tests that call it.) `env` says which cluster, as it does for `run_cli`.
+    """
+    import tpulaunch
+
+    keys = ("TPULAUNCH_HOME", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        for k in keys:
+            if env.get(k) is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = env[k]
+        return tpulaunch.Client("auto").run(run_id).status().to_dict()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support import SHARED, SHARED_HOSTS, run_cli, write_scripts
+from support import SHARED, SHARED_HOSTS, run_cli, status_doc, write_scripts
 from tpulaunch.cluster.jobs import JobApi
 from tpulaunch.cluster.emulated import ray_temp_dir
 from tpulaunch.run import detached
@@ -87,7 +87,7 @@ def test_a_detached_runs_env_values_reach_its_hosts_and_nothing_else(shared_clus
     seen: dict[str, str] = {}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # while it runs: every process's command line
-        status = json.loads(run_cli("status", run_id, "--json", env=shared_cluster["env"]).stdout)
+        status = status_doc(shared_cluster["env"], run_id)
         if status["state"] == "running" and any(h["step"] for h in status["hosts"]):
             break
         time.sleep(0.5)

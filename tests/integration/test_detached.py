@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from support import SHARED, SHARED_HOSTS, cli_env, run_cli, write_scripts
+from support import SHARED, SHARED_HOSTS, cli_env, run_cli, status_doc, write_scripts
 from tpulaunch.cluster.emulated import ray_temp_dir
 from tpulaunch.errors import ExitCode
 
@@ -94,9 +94,9 @@ def test_a_detached_run_is_listed_watched_logged_stopped_and_waited_for(shared_c
     assert run_id in [r["run_id"] for r in runs] and next(r for r in runs if r["run_id"] == run_id)["script"] == "tick.py"
 
     def running():
-        doc = json.loads(cli(shared_cluster, "status", run_id, "--json").stdout)
+        doc = status_doc(shared_cluster["env"], run_id)
         ok = doc["state"] == "running" and [h["state"] for h in doc["hosts"]] == ["running"] * SHARED_HOSTS
-        return doc if ok and all(h["last_line"].startswith("tick") for h in doc["hosts"]) else None
+        return doc if ok and all((h["last_line"] or "").startswith("tick") for h in doc["hosts"]) else None
 
     doc = _until(running)
     assert [(h["process_index"], h["slice_index"], h["worker_id"]) for h in doc["hosts"]] == [(i, 0, i) for i in range(SHARED_HOSTS)]
@@ -192,8 +192,8 @@ def test_stacks_of_a_detached_run_from_a_machine_with_only_the_token(shared_clus
     laptop = cli_env(TPULAUNCH_HOME=str(tmp_path / "laptop"), RAY_AUTH_TOKEN_PATH=info["token_path"])
     dash = f"http://{info['dashboard']}"
     try:
-        _until(lambda: all(h["last_line"].startswith("tick") for h in json.loads(
-            cli(shared_cluster, "status", run_id, "--json").stdout)["hosts"] or [{"last_line": ""}]))
+        _until(lambda: all((h["last_line"] or "").startswith("tick")
+                           for h in status_doc(shared_cluster["env"], run_id)["hosts"] or [{"last_line": ""}]))
         p = run_cli("stacks", run_id, "--address", dash, "--json", env=laptop, cwd=tmp_path, timeout=180)
         assert p.returncode == 0, p.stderr
         doc = json.loads(p.stdout)

@@ -27,7 +27,7 @@ import pytest
 
 from fakes import closed_port, cli_env, run_cli
 from fakes.tpu_api_server import FakeTpuApi
-from support import live_processes
+from support import live_processes, status_doc
 from tpulaunch.errors import ExitCode
 from tpulaunch.host.tpu_holders import LOCKFILE
 
@@ -153,7 +153,7 @@ def test_a_preempted_slice_is_recreated_rejoined_and_the_run_resumes(cluster):
     t0 = time.monotonic()
     preempt(cloud, NAME)
     saved = {w: json.loads((cloud["ckpt"] / f"host-{w}.json").read_text())["step"] for w in range(WORKERS)}
-    while json.loads(cli(cloud, "status", run_id, "--json", timeout=60).stdout)["state"] == "running":
+    while status_doc(cloud["env"], run_id)["state"] == "running":
         assert time.monotonic() - t0 < 120, "the loss was never noticed"
         time.sleep(0.5)
     noticed = time.monotonic() - t0
@@ -227,7 +227,7 @@ def up_two_slices(cloud) -> subprocess.CompletedProcess:
 def wait_for_attempt_1(cloud, run_id: str) -> None:
     end = time.monotonic() + 300
     while True:  # the slice is back and the next attempt runs
-        d = json.loads(cli(cloud, "status", run_id, "--json", timeout=60).stdout)
+        d = status_doc(cloud["env"], run_id)
         if d.get("attempt") == 1 and d["state"] == "running" and all(
                 (h.get("last_line") or "").startswith(("attempt 1", "step", "host")) for h in d["hosts"]):
             return
@@ -329,7 +329,7 @@ def test_an_elastic_run_goes_on_on_a_while_b_is_recreated_then_grows_back(cluste
     preempt(cloud, MS[1])
     slow.unlink()
     while True:  # the run goes on on ms-a alone, before ms-b is back
-        d = json.loads(cli(cloud, "status", run_id, "--json", timeout=60).stdout)
+        d = status_doc(cloud["env"], run_id)
         if d.get("attempt") == 1 and d["state"] == "running" and len(d["hosts"]) == 1:
             break
         assert d["state"] in ("running", "restarting") and time.monotonic() < end, d
