@@ -162,7 +162,7 @@ def run_json(cmd: list[str], env: dict) -> tuple[float, dict]:
     return dt, json.loads((runs[-1] / "summary.json").read_text())
 
 
-SPARES_READY_S = 25  # after a run, the hosts' spare processes finish importing torch_xla
+SPARES_READY_S = 25  # after `cluster up` or a cold run, the hosts' spare processes finish importing torch_xla
 
 
 def phase_rows(summary: dict) -> dict[str, float]:
@@ -224,7 +224,7 @@ import competes with the others' and with the Ray processes of the emulated node
 | emulation floor: 4 x `python noop.py` at once | {rows['floor4']:.1f} | {rows['floor4'] / a:.2f} | 1.00 |
 | **cold**: `tpulaunch run noop.py --topology 2x8` (starts and stops a 4-node cluster) | {rows['cold']:.1f} | **{rows['cold'] / a:.2f}** | {rows['cold'] / rows['floor4']:.2f} |
 | **warm**: `--address auto` on `cluster up`, the hosts' spare processes ready | {rows['warm']:.1f} | {rows['warm'] / a:.2f} | **{rows['warm'] / rows['floor4']:.2f}** |
-| warm, back to back (the spares still importing) | {rows['back_to_back']:.1f} | {rows['back_to_back'] / a:.2f} | {rows['back_to_back'] / rows['floor4']:.2f} |
+| warm, back to back (the same spares fork each run: no import) | {rows['back_to_back']:.1f} | {rows['back_to_back'] / a:.2f} | {rows['back_to_back'] / rows['floor4']:.2f} |
 | kept: a plain `run` after `run --keep-cluster` (spares ready) | {rows['kept']:.1f} | {rows['kept'] / a:.2f} | {rows['kept'] / rows['floor4']:.2f} |
 | anchor: Ray Train `TorchTrainer`, 4 workers, same no-op (one Ray node) | {a:.1f} | 1.00 | {a / rows['floor4']:.2f} |
 | `tpulaunch cluster up --topology 2x8` (once, spares included) | {rows['cluster_up']:.1f} | | |
