@@ -345,8 +345,10 @@ def test_an_elastic_run_goes_on_on_a_while_b_is_recreated_then_grows_back(cluste
     assert a[0]["outcome"] in ("lost", "preempted") and [x["outcome"] for x in a[1:]] == ["grown", "ok"]
     assert (a[0]["slices"], a[1]["slices"], a[2]["slices"]) == (list(MS), [MS[0]], list(MS))
     assert summary["preemptions"] == 2 and summary["restarts"] == 0  # the shrink, and ms-b lost again
-    (rec,) = a[1]["recreated"]  # made again (twice) while attempt 1 ran on ms-a
-    assert rec["slice"] == MS[1] and rec["queued_resource"] == MS[1]
+    first, second = a[1]["recreated"]  # made again twice while attempt 1 ran on ms-a
+    assert all(r["slice"] == MS[1] and r["queued_resource"] == MS[1] for r in (first, second))
+    assert "PREEMPTED" in first["join_failures"][-1]  # its VM could not be reached any more
+    # (the second may have failed a join too, a VM slow to start Ray on a loaded machine: joined again)
     assert api.events[mark:] == [f"preempt {MS[1]}", f"delete {MS[1]}", f"create {MS[1]}"] * 2
     assert "lost again while being brought back" in log
     assert "host 0 attempt 1 is a shrink on 1 of 2 slices" in log

@@ -1,6 +1,7 @@
 """Slice creation as data (`provision.capacity`: the request body against the REST reference) and the
-rules of `--recreate` (`run.recreate`: when a slice must be made again, when the flag is refused),
-and a plan moved onto a re-created slice's new addresses (`LaunchPlan.on_slices`)."""
+rules of `--recreate` (`run.recreate`: when a slice must be made again, when the flag is refused, what
+is tried again when its new VMs cannot join), and a plan moved onto a re-created slice's new addresses
+(`LaunchPlan.on_slices`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tpulaunch.plan.launch import build_plan
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 from tpulaunch.plan.topology import resolve
-from tpulaunch.run.recreate import in_run_order, must_recreate, qr_id, refusal
+from tpulaunch.run.recreate import Comeback, Recreation, RejoinFailed, in_run_order, must_recreate, qr_id, refusal
 
 P = "projects/p/locations/us-central2-b"
 
@@ -123,3 +124,55 @@ def test_a_multislice_run_keeps_its_slice_order_when_one_slice_is_made_again():
     assert qr_id(SliceSpec(name="b", accelerator_type="v4-8", topology="2x2x1", source="tpu-api",
                            queued_resource="projects/p/locations/z/queuedResources/qr-b")) == "qr-b"
     assert qr_id(spec("a", 0, "10.0.0.3")) == ""
+
+
+class _Scripted(Comeback):
+    """A Comeback whose calls to the Cloud TPU API and the VMs answer from a script: each step
+    either succeeds or fails its set-up or join with the reason given; `preempted` is what the API
+    says after each failure."""
+
+    def __init__(self, steps: list[str | None], preempted: list[bool], budget: int) -> None:
+        self.said: list[str] = []
+        super().__init__(_cluster(head="local"), ["s"], self.said.append, budget=budget, pause=lambda s: None)
+        self.steps, self.answers, self.calls = steps, preempted, []
+
+    def _step(self, kind: str) -> None:
+        self.calls.append(kind)
+        why = self.steps.pop(0)
+        if why is not None:
+            raise RejoinFailed(why)
+
+    def bring_back(self, deadline_s):
+        rec = Recreation("s", "s", "its node is PREEMPTED")
+        try:
+            self._step("make")
+        except RejoinFailed as e:
+            rec.join_failures.append(e.why)
+            e.made = [rec]
+            raise
+        return [rec], []
+
+    def rejoin(self, deadline_s):
+        self._step("join")
+        return []
+
+    def preempted_again(self):
+        return self.answers.pop(0)
+
+
+def test_new_vms_that_cannot_join_are_joined_again_and_a_slice_preempted_again_is_made_again():
+    # made; its VMs slow to start Ray (join again); then preempted before they joined (made again)
+    back = _Scripted(["ray start timed out", "cannot be reached", None], preempted=[False, True], budget=2)
+    back.run(60)
+    assert back.calls == ["make", "join", "make"] and back.again == 1
+    assert [r.join_failures for r in back.made] == [["ray start timed out", "cannot be reached"], []]
+    assert all(r.to_dict()["join_failures"] == r.join_failures for r in back.made)
+    assert [s.split(" (")[0] for s in back.said] == ["slice(s) s not back yet", "slice(s) s lost again while being brought back"]
+
+
+def test_a_slice_preempted_again_with_no_preemption_left_ends_it_and_keeps_the_record():
+    back = _Scripted(["cannot be reached"], preempted=[True], budget=0)
+    with pytest.raises(RejoinFailed):
+        back.run(60)
+    assert back.calls == ["make"] and back.again == 0
+    assert [r.join_failures for r in back.made] == [["cannot be reached"]]  # the caller still sees it made

@@ -22,6 +22,7 @@ from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.plan.mesh import elastic_axis
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.plan.topology import Topology
+from tpulaunch.run.recreate import Comeback
 
 
 def check(plan: LaunchPlan, min_slices: int) -> None:
@@ -81,26 +82,35 @@ class Regrowth:
     def __init__(self, cluster: ClusterInfo, plan: LaunchPlan, lost: list[str], *, recreate: bool, wait_s: float,
                  grow_after: float | None, say: Callable[[str], None], budget: int = 0) -> None:
         self.cluster, self.lost, self.recreate, self.wait_s = cluster, lost, recreate, wait_s
-        self.budget = budget  # preemptions left: a slice preempted again while it is re-created spends one
-        self.again = 0  # ... and how many did
         self.grow_after, self.say = grow_after, say
         self.topology = plan.topology
         self.ready_at: float | None = None
         self.error: str | None = None
         self.slices: list[SliceSpec] | None = None
-        self.recreated: list[dict] = []
         self._stop = threading.Event()
+        # budget: the preemptions left; a slice preempted again while it is made again spends one
+        self._comeback = Comeback(cluster, lost, say, budget=budget, stopped=self._stop.is_set, pause=self._stop.wait)
         self._thread = threading.Thread(target=self._run, name="tpulaunch-regrowth", daemon=True)
         self._thread.start()
 
     def cancel(self) -> None:
         self._stop.set()
 
+    @property
+    def again(self) -> int:
+        """Preemptions spent: the slices were preempted again while they came back."""
+        return self._comeback.again
+
+    @property
+    def recreated(self) -> list[dict]:
+        """The slices made again (`--recreate`), each with its steps timed."""
+        return [r.to_dict() for r in self._comeback.made]
+
     def _run(self) -> None:
         end = time.monotonic() + self.wait_s
         try:
             if self.recreate:
-                self._recreate(end)
+                self.slices = self._comeback.run(end - time.monotonic())
             if wait_whole(self.cluster, self.topology, self.lost, end - time.monotonic(), self._stop.is_set,
                           self.say, poll=self._stop.wait):
                 self.ready_at = time.monotonic()
@@ -116,44 +126,6 @@ class Regrowth:
         except Exception as e:  # noqa: BLE001 - a thread's failure must not pass unseen
             self.error = f"{type(e).__name__}: {e}"
             self.say(f"slice(s) {', '.join(self.lost)} not brought back: {self.error}")
-
-    def _recreate(self, end: float) -> None:
-        """Make the lost slices again; one preempted again before it is back (its workers cannot be
-        set up) is made again once more, while the preemption budget and the wait allow."""
-        from tpulaunch.run import recreate
-
-        made = False  # the slices exist again: only setting them up and joining is left
-        while True:
-            try:
-                left = max(1.0, end - time.monotonic())
-                if made:
-                    self.slices = recreate.rejoin(self.cluster, self.lost, left, self.say)
-                else:
-                    recs, self.slices = recreate.bring_back(self.cluster, self.lost, left, self.say)
-                    self.recreated.extend(r.to_dict() for r in recs)
-                return
-            except recreate.RejoinFailed as e:
-                if self._stop.is_set() or time.monotonic() >= end:
-                    raise
-                made = not self._preempted_again()
-                if made:  # a step that failed (a VM slow to start Ray): set up and join again
-                    self.say(f"slice(s) {', '.join(self.lost)} not back yet ({e.line()}): joining them again")
-                    self._stop.wait(2.0)
-                    continue
-                if self.again >= self.budget:
-                    raise
-                self.again += 1
-                self.say(f"slice(s) {', '.join(self.lost)} lost again while being brought back ({e.line()}):"
-                         f" making them again (preemption {self.again} of the {self.budget} left)")
-
-    def _preempted_again(self) -> bool:
-        """Does the Cloud TPU API say a lost slice must be made again (preempted while it came back)?"""
-        from tpulaunch.run import recreate
-
-        remote = self.cluster.remote
-        assert remote is not None  # --recreate is refused without a remote cluster
-        return any(recreate.preempted(s, remote.project, remote.zone)[1] is not None
-                   for s in self.cluster.slices if s.name in self.lost)
 
     def should_grow(self, watch, now: float) -> str | None:  # noqa: ANN001 - an AttemptWatch
         """Asked by the running attempt's watch: a reason to end it and grow back, or None."""

@@ -332,12 +332,18 @@ def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limi
                 if req.recreate:
                     lost = sorted(hit)
                     timeline.emit("recreate_start", slices=lost)
+                    back = recreate.Comeback(cluster, lost, sink.progress,
+                                             budget=req.max_preemptions - spent.preemptions)
                     try:
-                        recs, slices = recreate.bring_back(cluster, lost, req.preemption_wait, sink.progress)
+                        slices = back.run(req.preemption_wait)
                     except TpulaunchError as e:
                         timeline.emit("recreate_end", slices=lost, ok=False)
+                        a.recreated = [r.to_dict() for r in back.made]
                         return spent, f"the slice was not made again within --preemption-wait {req.preemption_wait:g} s: {e.line()}"
+                    finally:  # slices preempted again while they were brought back
+                        spent = replace(spent, preemptions=spent.preemptions + back.again)
                     timeline.emit("recreate_end", slices=lost, ok=True)
+                    recs = back.made
                     a.recreated = [r.to_dict() for r in recs]
                     if recs:  # the Cloud TPU API's word: these hosts were not just lost, their slice was preempted
                         a.outcome = Outcome.PREEMPTED

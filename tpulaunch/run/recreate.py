@@ -9,7 +9,10 @@ workers set up (`cluster up --setup`) and joined to the same Ray head, all withi
 `--preemption-wait`; then the next attempt runs on the new VMs. A slice the API still calls
 READY lost a node for another reason: nothing is re-created (the plain wait for the slice).
 
-`must_recreate` and `refusal` are the rules (pure); `bring_back` carries them out.
+`must_recreate` and `refusal` are the rules (pure); `bring_back` carries them out once and
+`Comeback` again while the wait allows: new VMs that could not be set up or joined (slow to start
+Ray on a loaded machine) are joined again, a slice preempted again before it was back is made again
+(a preemption more, while the run's budget has one).
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ class Recreation:
     queued_resource: str
     why: str  # node PREEMPTED, queued resource SUSPENDED, node gone ...
     steps: dict[str, float] = field(default_factory=dict)  # delete_s, create_s, provision_s, setup_join_s, ray_whole_s
+    join_failures: list[str] = field(default_factory=list)  # each set-up or join of its new VMs that failed
 
     def to_dict(self) -> dict:
         return {"slice": self.slice, "queued_resource": self.queued_resource, "why": self.why,
-                "steps": {k: round(v, 2) for k, v in self.steps.items()}}
+                "steps": {k: round(v, 2) for k, v in self.steps.items()}, "join_failures": list(self.join_failures)}
 
 
 def must_recreate(node_state: str | None, qr_state: str | None) -> str | None:
@@ -108,6 +112,8 @@ class RejoinFailed(TpulaunchError):
 
     def __init__(self, why: str) -> None:
         super().__init__(f"the re-created slice could not join: {why}", "see the slice's workers (`cluster status`)")
+        self.why = why
+        self.made: list[Recreation] = []  # set by bring_back: the slices it made, this one included
 
 
 def preempted(spec: SliceSpec, project: str, zone: str) -> tuple[str | None, str | None]:
@@ -161,10 +167,84 @@ def bring_back(cluster: ClusterInfo, lost: list[str], deadline_s: float,
         _st, took = capacity.recreate(project, zone, qr, max(1.0, end - time.monotonic()), say)
         rec.steps.update(took)
         t = time.monotonic()
-        rejoin(cluster, [specs[i].name for i in members], end - time.monotonic(), say)
-        rec.steps["setup_join_s"] = time.monotonic() - t
         done.append(rec)
+        try:
+            rejoin(cluster, [specs[i].name for i in members], end - time.monotonic(), say)
+        except RejoinFailed as e:
+            rec.join_failures.append(e.why)
+            e.made = done
+            raise
+        finally:
+            rec.steps["setup_join_s"] = time.monotonic() - t
     return done, list(cluster.slices)
+
+
+class Comeback:
+    """`bring_back` of the slices in `lost`, done again while `deadline_s` allows.
+
+    A set-up or join that fails leaves the slice made: if the Cloud TPU API says it was preempted
+    again, it is made again (one of `budget` more preemptions, counted in `again`), else its VMs
+    are set up and joined again (a VM slow to start Ray). `made` lists every re-creation as it
+    happens, so a caller sees them even when `run` raises."""
+
+    def __init__(self, cluster: ClusterInfo, lost: list[str], say: Callable[[str], None], *, budget: int,
+                 stopped: Callable[[], bool] = lambda: False, pause: Callable[[float], object] = time.sleep) -> None:
+        self.cluster, self.lost, self.say, self.budget = cluster, lost, say, budget
+        self.stopped, self.pause = stopped, pause
+        self.made: list[Recreation] = []
+        self.again = 0
+
+    def run(self, deadline_s: float) -> list[SliceSpec]:
+        """The cluster's slices once the lost ones are back. Raises RejoinFailed (or the API's error)."""
+        end = time.monotonic() + deadline_s
+        names = ", ".join(self.lost)
+        joining: list[Recreation] = []  # made again, their VMs not set up and joined yet
+        while True:
+            left = max(1.0, end - time.monotonic())
+            t = time.monotonic()
+            try:
+                if not joining:
+                    recs, slices = self.bring_back(left)
+                    self.made.extend(recs)
+                    return slices
+                try:
+                    return self.rejoin(left)
+                finally:
+                    for rec in joining:
+                        rec.steps["setup_join_s"] = rec.steps.get("setup_join_s", 0.0) + time.monotonic() - t
+            except RejoinFailed as e:
+                if joining:
+                    for rec in joining:
+                        rec.join_failures.append(e.why)
+                else:
+                    self.made.extend(e.made)
+                    joining = [rec for rec in e.made if rec.join_failures]
+                if self.stopped() or time.monotonic() >= end:
+                    raise
+                if not self.preempted_again():
+                    self.say(f"slice(s) {names} not back yet ({e.line()}): joining them again")
+                    self.pause(2.0)
+                    continue
+                joining = []
+                if self.again >= self.budget:
+                    raise
+                self.again += 1
+                self.say(f"slice(s) {names} lost again while being brought back ({e.line()}):"
+                         f" making them again (preemption {self.again} of the {self.budget} left)")
+
+    # the steps, one call each to the Cloud TPU API and the VMs
+    def bring_back(self, deadline_s: float) -> tuple[list[Recreation], list[SliceSpec]]:
+        return bring_back(self.cluster, self.lost, deadline_s, self.say)
+
+    def rejoin(self, deadline_s: float) -> list[SliceSpec]:
+        return rejoin(self.cluster, self.lost, deadline_s, self.say)
+
+    def preempted_again(self) -> bool:
+        """Does the Cloud TPU API say a lost slice must be made again (preempted while it came back)?"""
+        remote = self.cluster.remote
+        assert remote is not None  # --recreate is refused without a remote cluster
+        return any(preempted(s, remote.project, remote.zone)[1] is not None
+                   for s in self.cluster.slices if s.name in self.lost)
 
 
 def rejoin(cluster: ClusterInfo, names: list[str], deadline_s: float, say: Callable[[str], None]) -> list[SliceSpec]:
