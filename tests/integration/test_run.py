@@ -93,6 +93,25 @@ def test_recipe_transformer_loss_falls(shared_cluster, tmp_path):
         assert losses[-1] < losses[0] * 0.5, losses
 
 
+def test_the_torch_tpu_fsdp2_recipe_trains_with_a_process_per_device(shared_cluster, tmp_path):
+    """TorchTPU (`--framework torch_tpu`) on the same cluster: 2 hosts x 4 processes, real gloo and
+    FSDP2 (test_torch_tpu runs it on two slices, in an environment without torch_xla)."""
+    proc = run_cli("run", "recipes/torch_tpu_fsdp2.py", "--framework", "torch_tpu", *SHARED, "--address", "auto",
+                   "--log-dir", str(tmp_path), "--", "--steps", "15", "--ckpt-dir", str(tmp_path / "ckpt"),
+                   "--ckpt-every", "15", cwd=REPO, env=shared_cluster["env"], timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mesh {'data': 2, 'model': 4} on 8 processes (4 per host), device cpu" in proc.stdout
+    losses = [float(m) for m in re.findall(r"step \d+ loss ([\d.]+)", proc.stdout)]
+    assert len(losses) == 4 and losses[-1] < 0.7 * losses[0], proc.stdout[-2000:]
+    assert (tmp_path / "ckpt" / ".metadata").is_file()
+    (run,) = [p for p in tmp_path.iterdir() if p.is_dir() and p.name != "ckpt"]
+    for host, ranks in ((0, range(4)), (1, range(4, 8))):  # a log per process, under its host
+        assert sorted(p.name for p in (run / "attempt-0" / f"host-{host}").iterdir()) == [f"rank-{r}.log" for r in ranks]
+    assert "step 14 loss" in (run / "attempt-0" / "host-0" / "rank-0.log").read_text()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["attempts"][0]["hosts"][0]["step"] == 14  # the processes' heartbeats reach their host's
+
+
 # -- lifecycle: own cluster ---------------------------------------------------------------------
 
 
