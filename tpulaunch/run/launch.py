@@ -334,20 +334,21 @@ def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limi
                     timeline.emit("recreate_start", slices=lost)
                     back = recreate.Comeback(cluster, lost, sink.progress,
                                              budget=req.max_preemptions - spent.preemptions)
+                    failed: TpulaunchError | None = None
                     try:
                         slices = back.run(req.preemption_wait)
                     except TpulaunchError as e:
-                        timeline.emit("recreate_end", slices=lost, ok=False)
-                        a.recreated = [r.to_dict() for r in back.made]
-                        return spent, f"the slice was not made again within --preemption-wait {req.preemption_wait:g} s: {e.line()}"
-                    finally:  # slices preempted again while they were brought back
-                        spent = replace(spent, preemptions=spent.preemptions + back.again)
-                    timeline.emit("recreate_end", slices=lost, ok=True)
+                        failed = e
+                    spent = replace(spent, preemptions=spent.preemptions + back.again)  # preempted again meanwhile
                     recs = back.made
                     a.recreated = [r.to_dict() for r in recs]
+                    timeline.emit("recreate_end", slices=lost, ok=failed is None)
+                    if failed is not None:
+                        return spent, (f"the slice was not made again within --preemption-wait"
+                                       f" {req.preemption_wait:g} s: {failed.line()}")
                     if recs:  # the Cloud TPU API's word: these hosts were not just lost, their slice was preempted
                         a.outcome = Outcome.PREEMPTED
-                        a.note = "; ".join(f"slice {r.slice} preempted ({r.why})" for r in recs)
+                        a.note = "; ".join(dict.fromkeys(f"slice {r.slice} preempted ({r.why})" for r in recs))
                         current = current.on_slices(recreate.in_run_order(current.slices, slices))
                 left = max(1.0, req.preemption_wait - (time.monotonic() - t0))
                 sink.progress(f"{who}: waiting up to {left:.0f} s for the slice to be whole again in Ray"
