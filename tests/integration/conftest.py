@@ -8,11 +8,11 @@ import pytest
 # Modules that use no shared cluster and no machine-wide state (each starts its own clusters or fake
 # clouds, under a TPULAUNCH_HOME and temp dirs of its own): `./scripts/test` runs them, after the
 # unit tier, beside the others (which share one emulated cluster), in a second pytest process.
-# (test_run_discovered and test_warm share nothing either: they run in the first process, whose
-# tests took less time, so the two end together.)
+# (test_run_discovered shares nothing either: it runs in the first process, so the two end together.)
 APART = {
     "test_cluster_remote.py", "test_elastic.py", "test_gcloud_config.py", "test_imports.py", "test_process_group.py",
-    "test_recreate.py", "test_spare.py", "test_torch_tpu.py", "test_torch_xla_mesh.py", "test_worker_programs.py",
+    "test_recreate.py", "test_spare.py", "test_torch_tpu.py", "test_torch_xla_mesh.py", "test_warm.py",
+    "test_worker_programs.py",
 }
 
 

@@ -35,12 +35,13 @@ def test_discovered_slice_is_emulated_when_no_cluster_is_given(tmp_path):
         assert [h["env"]["TPU_NAME"] for h in plan["hosts"]] == ["my-v4"] * 4
         assert "emulating the discovered slice my-v4 (v4-32, 2x2x4)" in dry.stderr
 
-        run = run_cli("run", "where.py", "--tpu", "my-v4", "--zone", "us-central2-b", "--project", "p",
+        # run on the fake's 2-host slice (a 7x one, described by its acceleratorConfig alone)
+        run = run_cli("run", "where.py", "--tpu", "my-v7x", "--zone", "us-central1-c", "--project", "p",
                       "--framework", "none", "--log-dir", str(tmp_path / "runs"), cwd=tmp_path, env=env, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "EMULATED slice" in run.stderr
-    for i in range(4):
-        assert f"[host {i}] on my-v4 v4-32 2x2x4 host {i} emulated True" in run.stdout, run.stdout
+    assert "EMULATED slice" in run.stderr and "emulating the discovered slice my-v7x (tpu7x-16, 2x2x2)" in run.stderr
+    for i in range(2):
+        assert f"[host {i}] on my-v7x tpu7x-16 2x2x2 host {i} emulated True" in run.stdout, run.stdout
 
 
 def test_flags_that_contradict_the_discovered_slice_are_an_error(tmp_path):
