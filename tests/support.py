@@ -118,20 +118,13 @@ def status_doc(env: dict[str, str], run_id: str) -> dict:
     per look costs most of a CPU-second on a 2-core machine. (The CLI's own output is asserted by
     the tests that call it.) `env` says which cluster, as it does for `run_cli`.
     """
+    from unittest import mock
+
     import tpulaunch
 
-    keys = ("TPULAUNCH_HOME", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
-    saved = {k: os.environ.get(k) for k in keys}
-    try:
-        for k in keys:
-            if env.get(k) is None:
-                os.environ.pop(k, None)
-            else:
+    with mock.patch.dict(os.environ):  # restored as it was on the way out
+        for k in ("TPULAUNCH_HOME", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+            os.environ.pop(k, None)
+            if env.get(k) is not None:
                 os.environ[k] = env[k]
         return tpulaunch.Client("auto").run(run_id).status().to_dict()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -509,11 +509,10 @@ class HostAgent:
     def _reap_orphans(self) -> None:
         """Orphans re-parented to us (we are their subreaper) are ours to wait for, once they end;
         never a child a Popen of ours (or an `Adopted`'s thread) waits for (its exit code would be
-        lost). Under the spawning lock: a host process a spare just forked is ours before we look."""
+        lost). Under the spawning lock: a host process a spare just forked is ours before we look (a
+        host process is in `HostProcess.running` until its waiter has reaped it)."""
         with HostProcess.spawning:
             managed = {s.pid for s in list(self._spares.values())} | set(self._helpers) | HostProcess.running
-            if self._host is not None:
-                managed.add(self._host.proc.pid)
             me = os.getpid()
             kids = procfs.child_pids(me)  # every 5 s on every host: its own children, not all of /proc
             found = (procfs.Process(p) for p in kids) if kids is not None else procfs.processes()

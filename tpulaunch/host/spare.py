@@ -31,6 +31,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from tpulaunch import procfs
@@ -116,8 +117,6 @@ class Adopted:
     One thread waits for it, so no other waiter can take its exit code."""
 
     def __init__(self, pid: int) -> None:
-        import threading
-
         self.pid, self.returncode = pid, None
         self._done = threading.Event()
         threading.Thread(target=self._wait, name=f"tpulaunch-host-{pid}", daemon=True).start()
