@@ -108,7 +108,29 @@ def test_user_env_wins_over_everything_on_every_attempt():
     assert p.env(0)["MASTER_PORT"] == "999"
     assert p.for_attempt(3, p.endpoints.moved(master_port=77)).env(0)["MASTER_PORT"] == "999"
     static, per_run = split_env(p.state(0))
-    assert static["MASTER_PORT"] == "999" and "MASTER_PORT" not in per_run
+    assert per_run["MASTER_PORT"] == "999" and "MASTER_PORT" not in static  # read by the script, not at import
+
+
+def test_only_a_users_variables_read_at_import_keep_a_spare_from_taking_the_run():
+    """A spare is started with the static part: a user's run name or checkpoint path changes from run
+    to run and must not cost a warm start; XLA_FLAGS, JAX_*, PYTHONPATH must (the import reads them)."""
+    from dataclasses import replace
+
+    p = golden_plans()["emulated-2x8-torch_xla"]
+
+    def parts(user_env: dict) -> tuple[dict, dict]:
+        return split_env(replace(p, job=replace(p.job, user_env=user_env)).state(1))
+
+    base_static, _ = parts({})
+    static, per_run = parts({"RUN_NAME": "a", "CKPT_DIR": "/c/a", "WANDB_API_KEY": "k", "TPULAUNCH_METADATA_HOST": "h"})
+    assert static == base_static
+    assert {k: per_run[k] for k in ("RUN_NAME", "CKPT_DIR", "WANDB_API_KEY", "TPULAUNCH_METADATA_HOST")} == {
+        "RUN_NAME": "a", "CKPT_DIR": "/c/a", "WANDB_API_KEY": "k", "TPULAUNCH_METADATA_HOST": "h"}
+    for name in ("XLA_FLAGS", "JAX_LOG_COMPILES", "PYTHONPATH", "LD_PRELOAD", "PJRT_DEVICE", "TORCH_LOGS",
+                 "OMP_NUM_THREADS", "LIBTPU_INIT_ARGS", "tpu_extra"):
+        static, per_run = parts({name: "x"})
+        assert name not in per_run and static[name].endswith("x"), name
+        assert static != base_static, name
 
 
 def test_a_users_xla_flags_join_the_emulations_on_an_emulated_jax_host():

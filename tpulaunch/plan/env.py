@@ -16,6 +16,12 @@ What is pushed, and for whom:
 * `MEGASCALE_*` on multislice;
 * on emulated hosts the framework adapter's CPU settings (`Job.emulation_env`);
 * the user's `--env`, last, over everything (its `XLA_FLAGS` after the emulation's own).
+
+A user's variable that a framework's import or the interpreter's start may read (`read_at_import`:
+`XLA_*`, `JAX_*`, `PYTHONPATH`, ...) is part of what stays from run to run: a spare imported
+without it would not be the process a fresh start makes. Any other (a run name, a checkpoint
+path, an API key) is read by the script after the fork, so it is set per run, and a run that
+changes it still takes the warm host's spare.
 """
 
 from __future__ import annotations
@@ -23,9 +29,27 @@ from __future__ import annotations
 from tpulaunch.plan.contract import HostState
 
 
+# Prefixes of the variables a framework import, a native library's load or the interpreter's start
+# may read (compared upper-case). Generous on purpose: a variable wrongly here only costs a warm
+# start; one wrongly missing would make a forked host differ from a fresh one.
+IMPORT_TIME_PREFIXES = (
+    "PYTHON", "PATH", "HOME", "TMPDIR", "LANG", "LC_", "TZ", "LD_", "MALLOC", "TCMALLOC", "GLIBC",
+    "XLA", "JAX", "TPU", "PJRT", "LIBTPU", "MEGASCALE", "CLOUD_TPU", "TORCH", "PYTORCH", "CUDA", "NCCL",
+    "OMP", "KMP", "MKL", "OPENBLAS", "GOTO", "BLIS", "NUMEXPR", "NUMPY", "NPY", "TF_", "GLOG", "ABSL",
+    "GRPC", "PROTOCOL_BUFFERS", "RAY",
+)
+
+
+def read_at_import(name: str) -> bool:
+    """Whether a user's variable may change what importing the framework does (see the module doc)."""
+    upper = name.upper()
+    return upper.startswith(IMPORT_TIME_PREFIXES) and not upper.startswith("TPULAUNCH_")  # ours: read at run time
+
+
 def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
     """(what stays from run to run on this host, what this run and attempt set). Disjoint; the
-    user's `--env` is in the first part and wins over both."""
+    user's `--env` wins over both, in the first part where it may be read at import, else in the
+    second."""
     job, slot, ends = state.job, state.slot, state.endpoints
     topo = job.mesh.topology
     n = str(state.num_processes)
@@ -75,13 +99,18 @@ def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
         static.update(job.emulation_env)
         if ends.emulation_port is not None:
             per_run["TPULAUNCH_EMULATION_PORT"] = str(ends.emulation_port)
-    static.update(job.user_env)
+    at_import = {k: v for k, v in job.user_env.items() if read_at_import(k)}
+    static.update(at_import)
     if job.emulated and "XLA_FLAGS" in job.emulation_env and "XLA_FLAGS" in job.user_env:
         # both: the emulation's CPU device count and the user's own flags (a dump dir, say); the
         # user's come last, and XLA takes the last of a flag given twice
         static["XLA_FLAGS"] = f"{job.emulation_env['XLA_FLAGS']} {job.user_env['XLA_FLAGS']}"
-    for key in job.user_env:
-        per_run.pop(key, None)
+    for key, value in job.user_env.items():
+        if key not in at_import:
+            static.pop(key, None)
+            per_run[key] = value
+        else:
+            per_run.pop(key, None)
     return static, per_run
 
 
