@@ -4,8 +4,11 @@ as one host.
 The agent supervises this process like any host process (logs, heartbeat, stall, stacks: `py-spy
 dump --subprocesses`). Here:
 
-* each child is `python -m tpulaunch.host.bootstrap STATE --rank L`, with the host's environment
-  plus its own part of the contract (`plan.torch_tpu.processes`);
+* each child is a fork of this process once it has imported torch (the framework's `preload`:
+  with the device backend's autoload held back, so no child inherits a device another opened),
+  with the host's environment plus its own part of the contract (`plan.torch_tpu.processes`); it
+  then boots as `python -m tpulaunch.host.bootstrap STATE --rank L` would. A host of 8 devices
+  imports torch once, not 8 times side by side (3 to 5 CPU-s each on 2-core machines);
 * each line a child prints is passed on prefixed `[rank R] ` (the launcher files it under
   `host-<i>/rank-R.log` as well as `host-<i>.log`), on the stream it came from;
 * the first child to fail fails the host: one line names it (`FAILED_LINE`, which the launcher
@@ -19,12 +22,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
+import traceback
 
 from tpulaunch import procfs
+from tpulaunch.host import frameworks
 from tpulaunch.host.context import TIMINGS_ENV
 from tpulaunch.plan.contract import HostState
 from tpulaunch.plan.torch_tpu import processes
@@ -55,28 +59,102 @@ def _pump(stream, out, tag: str, lock: threading.Lock) -> None:  # noqa: ANN001 
     stream.close()
 
 
+class Child:
+    """One device's process, forked from this one: what the loop below asks of it (a Popen's)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its code is lost
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)  # -N for signal N, as Popen's
+        return self.returncode
+
+    def wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.returncode
+
+
+def fork_rank(state_path: str, local_rank: int, env: dict[str, str]) -> tuple[Child, int, int]:
+    """Fork the process of `local_rank` with `env`: its output on two new pipes (read ends returned).
+    In the child this never returns: it boots and runs the script as the bootstrap's `main`."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid:
+        os.close(out_w)
+        os.close(err_w)
+        return Child(pid), out_r, err_r
+    code = 70
+    try:
+        for fd in (out_r, err_r, *_READ_ENDS):
+            os.close(fd)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        null = os.open(os.devnull, os.O_RDONLY)
+        for fd, target in ((null, 0), (out_w, 1), (err_w, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        # the host's Python streams are its own pipes to the agent: the child's are fds 1 and 2
+        host_out, host_err = sys.stdout, sys.stderr
+        sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        for stream in (host_out, host_err):
+            if stream.fileno() > 2:
+                stream.close()
+        os.environ.clear()
+        os.environ.update(env)
+        random = sys.modules.get("numpy.random")
+        if random is not None:  # as a fresh process's would be: seeded from the OS
+            random.seed()
+        from tpulaunch.host import bootstrap
+
+        code = bootstrap.main([state_path, "--rank", str(local_rank)])
+        bootstrap._flush()
+    except BaseException:  # noqa: BLE001 - the child must never return into the host's loop
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+_READ_ENDS: list[int] = []  # this host's pipes from the children forked so far (a child closes them)
+
+
 def run(state: HostState, state_path: str) -> int:
     """Start this host's processes and wait for them. Returns the host's exit code."""
     lock = threading.Lock()
-    children: list[tuple[int, int, subprocess.Popen]] = []
+    children: list[tuple[int, int, Child]] = []
     readers: list[threading.Thread] = []
     stopping = [0]
 
     def on_sigterm(signum: int, _frame: object) -> None:
         stopping[0] = signum
 
+    frameworks.get(state.framework).preload()  # once here (a spare's fork has it), not once per child
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, on_sigterm)
-    for p in processes(state):
+    pipes = []
+    for p in processes(state):  # every fork before any thread of ours starts
         env = {**os.environ, **p.env}
         if p.local_rank:
             env.pop(TIMINGS_ENV, None)  # local rank 0 reports the host's phases
-        child = subprocess.Popen(
-            [sys.executable, "-m", "tpulaunch.host.bootstrap", state_path, "--rank", str(p.local_rank)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        child, out_r, err_r = fork_rank(state_path, p.local_rank, env)
+        _READ_ENDS.extend((out_r, err_r))
         children.append((p.rank, p.local_rank, child))
-        for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, out, prefix(p.rank), lock), daemon=True)
+        pipes.append((p.rank, out_r, err_r))
+    for rank, out_r, err_r in pipes:
+        for fd, out in ((out_r, sys.stdout), (err_r, sys.stderr)):
+            t = threading.Thread(target=_pump, args=(os.fdopen(fd, "rb"), out, prefix(rank), lock), daemon=True)
             t.start()
             readers.append(t)
     code = 0
@@ -94,12 +172,9 @@ def run(state: HostState, state_path: str) -> int:
                   file=sys.stderr, flush=True)
     elif stopping[0]:
         code = 128 + stopping[0]
-    procfs.stop([c[2].pid for c in children if c[2].poll() is None], GRACE_S)
+    procfs.stop([c[2].pid for c in children if c[2].poll() is None], GRACE_S)  # poll reaps the rest
     for _rank, _local, child in children:
-        try:
-            child.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            pass
+        child.wait(timeout=1.0)
     for t in readers:
         t.join(timeout=2.0)
     return code

@@ -14,6 +14,7 @@ slice. What differs: no `tpu` device (tensors live on the CPU), no compiled coll
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from tpulaunch.errors import LaunchError
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from tpulaunch.plan.topology import Topology
 
 TPU_BACKENDS = ("tpu_dist", "tpu", "cpu:gloo,tpu:tpu_dist")  # what scripts for the slice ask for
+AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"  # torch's switch for loading device backends at import
+_DEFERRED = [False]  # torch was imported here with its backends held back: boot loads them
 
 
 def device_type(state: "HostState") -> str:
@@ -41,9 +44,24 @@ class TorchTPU:
         return {"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu"}
 
     def preload(self) -> None:
-        import torch  # noqa: F401  (with torch-tpu installed this loads its backend too)
-        import torch.distributed  # noqa: F401
-        import torch.distributed.device_mesh  # noqa: F401
+        """torch, without its device backends: with torch-tpu installed, `import torch` would load it
+        (the `torch.backends` entry point), and it sets up the `tpu` device when it finds chips.
+        This import is shared (a spare's, the host process's that forks one process per device):
+        each device's process loads the backend itself, in its own environment (`boot`)."""
+        if "torch" in sys.modules:
+            return
+        was = os.environ.get(AUTOLOAD)
+        os.environ[AUTOLOAD] = "0"
+        try:
+            import torch  # noqa: F401
+            import torch.distributed  # noqa: F401
+            import torch.distributed.device_mesh  # noqa: F401
+        finally:
+            if was is None:
+                os.environ.pop(AUTOLOAD, None)
+            else:
+                os.environ[AUTOLOAD] = was
+        _DEFERRED[0] = True
 
     def boot(self, state: "HostState") -> None:
         import torch
@@ -51,6 +69,9 @@ class TorchTPU:
         from tpulaunch.host.frameworks import torch_dist
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if _DEFERRED[0] and torch._is_device_backend_autoload_enabled():
+            torch._import_device_backends()  # what `import torch` would have done in a fresh process
+            _DEFERRED[0] = False
         if state.emulated:
             torch_dist.init_group("gloo", "env://", rank, world, also_satisfies=TPU_BACKENDS)
             return
