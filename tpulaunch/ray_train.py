@@ -22,7 +22,10 @@ A worker group that Ray Train restarts (`FailureConfig(max_failures=N)`) is plan
 again, with `context().restart_count` counting up. A worker that cannot boot fails the run with
 tpulaunch's one-line reason (Ray does not retry a failed backend start).
 
-Needs `pip install 'tpulaunch[raytrain]'`; `import tpulaunch` does not import this module.
+Needs `pip install 'tpulaunch[raytrain]'`; `import tpulaunch` does not import this module. The
+torch configs live in `ray_train_torch` (they are `TorchConfig`s: importing them imports torch);
+this module hands them out by name, so `JaxTrainer`'s controller and workers, which import this
+module, never import torch (4.5 CPU-s each on 2-core machines, and a JAX-only environment has none).
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from typing import Any
 
 import ray
 from ray.train.backend import Backend
-from ray.train.torch import TorchConfig
 from ray.train.v2.jax.config import JaxConfig
 
 from tpulaunch.discover.ray_labels import POD_TYPE, SLICE, TOPO, WORKER
@@ -324,41 +326,6 @@ class _SliceOptions:
 
 
 @dataclass
-class XlaSpmdConfig(_SliceOptions, TorchConfig):
-    """`TorchTrainer(torch_config=XlaSpmdConfig())`: torch_xla SPMD on the slice, mesh ready.
-
-    `mesh` / `dcn` take the CLI's syntax (`data=4,model=4`; `data=2` across slices). `env` is
-    added to every worker's environment. `compile_cache`: True for tpulaunch's default directory
-    on each host, a path, or False.
-    """
-
-    backend: str | None = "xla-spmd"  # anything but empty: TorchTrainer would pick "tpu_dist"
-
-    @property
-    def backend_cls(self) -> type:
-        return _TorchXlaBackend
-
-
-@dataclass
-class TorchTpuConfig(_SliceOptions, TorchConfig):
-    """`TorchTrainer(torch_config=TorchTpuConfig())`: TorchTPU, one worker per TPU device.
-
-    What Ray Train leaves out, supplied as `tpulaunch run --framework torch_tpu` does: ranks grouped
-    by host in slice-builder address order (not Ray's placement order), `TORCH_TPU_TOPOLOGY`,
-    `TORCH_TPU_SLICEBUILDER_ADDRESSES`, `TORCH_TPU_DEVICES_PER_HOST`, multislice `MEGASCALE_*`
-    with the coordinator's port; the default group is open (`tpu_dist`, gloo emulated) and
-    `tpulaunch.get_mesh()` is the planned `DeviceMesh`. Use `resources_per_worker={"TPU": 1}` and
-    `num_workers` = devices of every slice.
-    """
-
-    backend: str | None = "tpulaunch-torch-tpu"  # anything but empty: TorchTrainer would pick "tpu_dist"
-
-    @property
-    def backend_cls(self) -> type:
-        return _TorchTpuBackend
-
-
-@dataclass
 class JaxSpmdConfig(_SliceOptions, JaxConfig):
     """`JaxTrainer(jax_config=JaxSpmdConfig())`: `jax.distributed` over the slice, mesh ready."""
 
@@ -367,3 +334,12 @@ class JaxSpmdConfig(_SliceOptions, JaxConfig):
     @property
     def backend_cls(self) -> type:
         return _JaxBackend
+
+
+def __getattr__(name: str) -> Any:
+    """`from tpulaunch.ray_train import XlaSpmdConfig` (or `TorchTpuConfig`): imported on first use."""
+    if name in ("XlaSpmdConfig", "TorchTpuConfig"):
+        from tpulaunch import ray_train_torch
+
+        return getattr(ray_train_torch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

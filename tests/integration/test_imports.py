@@ -38,3 +38,13 @@ def test_importing_tpulaunch_does_not_import_ray_train():
     code = "import sys, tpulaunch; print('ray.train' in sys.modules, 'ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_jax_trainers_config_imports_no_torch():
+    """A JaxTrainer's driver, controller and workers import `tpulaunch.ray_train` (its backend and
+    worker functions): none of them needs torch, and a JAX-only environment has none."""
+    code = ("import sys\nfrom tpulaunch.ray_train import JaxSpmdConfig, plan_for_workers\nJaxSpmdConfig(mesh='data=2')\n"
+            "a = 'torch' in sys.modules\nfrom tpulaunch.ray_train import XlaSpmdConfig\n"
+            "print(a, 'torch' in sys.modules, XlaSpmdConfig().backend_cls.framework)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert out.split() == ["False", "True", "torch_xla"]

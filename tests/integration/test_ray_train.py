@@ -8,6 +8,7 @@ cluster: 2 hosts of 4 chips, ranks in whatever order Ray places them.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -75,10 +76,11 @@ def jax_loop(config):
     x = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
     arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("data", "model")), lambda i: x[i])
     total = float(jax.jit(jnp.sum)(arr))
-    rec = dict(tag="jax", process_index=ctx.process_index, jax=[jax.process_index(), jax.process_count()],
+    tag = config.get("tag", "jax")
+    rec = dict(tag=tag, process_index=ctx.process_index, jax=[jax.process_index(), jax.process_count()],
                tpu_worker_id=int(os.environ["TPU_WORKER_ID"]), mesh=[list(mesh.devices.shape), list(mesh.axis_names)],
                exact=total == float(x.sum()), local=jax.local_device_count(), devices=jax.device_count())
-    with open(os.path.join(OUT, f"jax-0-{ctx.process_index}.json"), "w") as f:
+    with open(os.path.join(OUT, f"{tag}-0-{ctx.process_index}.json"), "w") as f:
         json.dump(rec, f)
 
 
@@ -104,24 +106,33 @@ for what in sys.argv[2:]:
         run(what, TorchTrainer(torch_loop, train_loop_config={"tag": what, "fail_worker": 1},
                                torch_config=XlaSpmdConfig(), scaling_config=ScalingConfig(**SCALING),
                                run_config=rc(what, failures=1)))
-    elif what == "wrong-slice":  # the runtime sees 4 devices, the slice has 8
-        run(what, TorchTrainer(torch_loop, train_loop_config={"tag": what}, scaling_config=ScalingConfig(**SCALING),
-                               torch_config=XlaSpmdConfig(env={"CPU_NUM_DEVICES": "4"}), run_config=rc(what)))
+    elif what == "wrong-slice":  # JAX sees 2 devices per host, 4 in all; the slice has 8
+        run(what, JaxTrainer(jax_loop, train_loop_config={"tag": what}, scaling_config=ScalingConfig(**SCALING),
+                             run_config=rc(what),
+                             jax_config=JaxSpmdConfig(env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})))
     elif what == "jax":
         run(what, JaxTrainer(jax_loop, jax_config=JaxSpmdConfig(), scaling_config=ScalingConfig(**SCALING),
                              run_config=rc(what)))
+    elif what == "recipe":  # the recipe as a user runs it (`python recipes/ray_train_xla.py ...`), in this driver
+        import runpy
+        recipe, *args = os.environ["RECIPE_ARGV"].split()
+        sys.argv = [recipe, *args]
+        runpy.run_path(recipe, run_name="__main__")
 '''
 
 
-def _driver(shared_cluster, tmp: Path, *runs: str, script: str | None = None, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+RECIPE = [str(REPO / "recipes" / "ray_train_xla.py"), "--steps", "12", "--topology", "2x2x2",
+          "--accelerator-type", "TPU-V5P", "--workers", str(SHARED_HOSTS)]
+
+
+def _driver(shared_cluster, tmp: Path, *runs: str) -> subprocess.CompletedProcess:
     """`eval "$(tpulaunch cluster env)"` then a plain `python driver.py`, as a user would."""
     (tmp / "driver.py").write_text(textwrap.dedent(DRIVER))
-    target = script or str(tmp / "driver.py")
-    argv = " ".join([target, *(args or (str(tmp), *runs))])
-    cmd = f'eval "$({sys.executable} -m tpulaunch cluster env)" && exec {sys.executable} {argv}'
+    cmd = f'eval "$({sys.executable} -m tpulaunch cluster env)" && exec {sys.executable} {tmp / "driver.py"} {tmp} {" ".join(runs)}'
     # Ray Train's own knob, as a deployment may set it (the driver hands it to the controller): the
     # controller looks at its workers every 0.5 s, not 2 s, so each run's end and failure is seen sooner
-    env = {**shared_cluster["env"], "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    env = {**shared_cluster["env"], "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+           "RECIPE_ARGV": " ".join([*RECIPE, "--storage", str(tmp / "recipe-storage")])}
     return subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
 
 
@@ -132,10 +143,11 @@ def _records(tmp: Path, tag: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def train_runs(shared_cluster, tmp_path_factory):
     """In one driver: a TorchTrainer run whose worker 1 fails once (its second attempt is the clean
-    run the checks look at), one whose runtime sees another slice, and a JaxTrainer run. Each places
+    run the checks look at), a JaxTrainer run whose runtime sees another slice, a clean JaxTrainer
+    run, then the recipe (`recipes/ray_train_xla.py`, run as `__main__` with its argv). Each places
     its workers anew (Ray's rank order changes)."""
     tmp = tmp_path_factory.mktemp("ray-train")
-    proc = _driver(shared_cluster, tmp, "restart", "wrong-slice", "jax")
+    proc = _driver(shared_cluster, tmp, "restart", "wrong-slice", "jax", "recipe")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"dir": tmp, "proc": proc}
 
@@ -184,7 +196,7 @@ def test_a_worker_that_sees_another_slice_fails_with_one_line(train_runs):
     alone would keep it reserved and the next fit() would wait forever)."""
     error = json.loads((train_runs["dir"] / "outcome-wrong-slice.json").read_text())["error"]
     assert "tpulaunch: host 0 (slice emulated worker 0, Ray Train rank " in error  # the first host, by index
-    assert "the runtime has 4 devices but the planned mesh {'data': 2, 'model': 4} needs 8" in error
+    assert "JAX has 4 devices but the planned mesh {'data': 2, 'model': 4} needs 8" in error
     assert "(and 1 more host(s))" in error
     assert not _records(train_runs["dir"], "wrong-slice")  # no loop ran
 
@@ -201,13 +213,10 @@ def test_jax_trainer_gets_the_mesh_and_the_worker_ids(train_runs):
 
 
 @pytest.mark.cluster
-def test_the_recipe_trains_under_torch_trainer(shared_cluster, tmp_path):
-    proc = _driver(shared_cluster, tmp_path, script=str(REPO / "recipes" / "ray_train_xla.py"),
-                   args=("--steps", "12", "--storage", str(tmp_path / "storage"), "--topology", "2x2x2",
-                         "--accelerator-type", "TPU-V5P", "--workers", str(SHARED_HOSTS)))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_the_recipe_trains_under_torch_trainer(train_runs):
+    proc = train_runs["proc"]
     out = proc.stdout  # Ray Train 2.60 copies a worker's prints to stderr too
-    assert "mesh {'data': 2, 'model': 4}" in out and "host 0/2 (TPU worker 0" in out
+    assert re.search(r"host 0/2 \(TPU worker 0 of \S+\), mesh \{'data': 2, 'model': 4\}", out), out[-3000:]
     losses = [float(line.rsplit("loss ", 1)[1]) for line in out.splitlines() if " loss " in line and "step " in line]
     assert len(losses) == 4, out[-2000:]  # steps 0, 5, 10, 11 from the coordinator
     assert losses[-1] < losses[0] * 0.8
