@@ -89,26 +89,30 @@ def test_kept_cluster_is_warm_for_the_next_run_and_reaped_once_idle(tmp_path):
         assert summary["attempts"][0]["timings"]["prewarmed_hosts"] == 2
         assert _hosts_said(second.stdout) == [(0, 2, 0, "-"), (1, 2, 1, "-")]
 
-        # 3. another environment: fresh processes, and --debug says which variable differed
-        third = _run(work, home, logs / "3", "--env", "EXTRA=1", debug=True)
+        # 3. a variable of the run's own (read by the script, not by an import): still the spares
+        third = _run(work, home, logs / "3", "--env", "EXTRA=1")
         assert third.returncode == 0, third.stderr[-3000:]
-        assert last_summary(logs / "3")["attempts"][0]["timings"]["prewarmed_hosts"] == 0
-        assert "started a fresh process: the environment differs from the spare's in EXTRA" in third.stderr
+        assert last_summary(logs / "3")["attempts"][0]["timings"]["prewarmed_hosts"] == 2
         assert _hosts_said(third.stdout) == [(0, 2, 0, "1"), (1, 2, 1, "1")]
 
-        # 4. the same environment again: the spares left after run 3 carry it
-        fourth = _run(work, home, logs / "4", "--env", "EXTRA=1")
+        # 4. a variable an import may read: fresh processes, and --debug says which one differed
+        libtpu = "LIBTPU_INIT_ARGS=--xla_tpu_enable_latency_hiding_scheduler=true"
+        fourth = _run(work, home, logs / "4", "--env", "EXTRA=2", "--env", libtpu, debug=True)
         assert fourth.returncode == 0, fourth.stderr[-3000:]
-        assert last_summary(logs / "4")["attempts"][0]["timings"]["prewarmed_hosts"] == 2
-        assert _hosts_said(fourth.stdout) == [(0, 2, 0, "1"), (1, 2, 1, "1")]
-        spares = _spares(home)
+        assert last_summary(logs / "4")["attempts"][0]["timings"]["prewarmed_hosts"] == 0
+        assert "started a fresh process: the environment differs from the spare's in LIBTPU_INIT_ARGS" in fourth.stderr
+        assert _hosts_said(fourth.stdout) == [(0, 2, 0, "2"), (1, 2, 1, "2")]
+        deadline = time.monotonic() + 30  # run 4's spares are let go and the new ones started as it ends
+        while len(spares := _spares(home)) != 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert len(spares) == 2, spares
 
-        # 5. and again: the same two spares fork this run's hosts too (none was replaced, nothing imported)
-        fifth = _run(work, home, logs / "5", "--env", "EXTRA=1", script_args=("--sleep", "0.1"))
+        # 5. the same again: the spares left after run 4 carry it and fork this run's hosts (none
+        # was replaced, nothing imported)
+        fifth = _run(work, home, logs / "5", "--env", "EXTRA=3", "--env", libtpu, script_args=("--sleep", "0.1"))
         assert fifth.returncode == 0, fifth.stderr[-3000:]
         assert last_summary(logs / "5")["attempts"][0]["timings"]["prewarmed_hosts"] == 2
-        assert _hosts_said(fifth.stdout) == [(0, 2, 0, "1"), (1, 2, 1, "1")]
+        assert _hosts_said(fifth.stdout) == [(0, 2, 0, "3"), (1, 2, 1, "3")]
         assert _spares(home) == spares
 
         # 6. idle now: the reaper stops the cluster and forgets it
