@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
     if getattr(fw, "processes_per_device", False) and local_rank is None:
         from tpulaunch.host import ranks  # this host's process starts one process per device
 
-        return ranks.run(state, argv[0])
+        return ranks.run(state, argv[0], _rank_main)
     try:
         phases = boot(state, local_rank)
         started = phases.pop("started_s")
@@ -137,6 +137,13 @@ def main(argv: list[str]) -> int:
             # A clean leave can be a barrier with the other hosts (jax.distributed.shutdown);
             # a failed host must leave at once so the launch fails fast.
             fw.shutdown()
+    return code
+
+
+def _rank_main(argv: list[str]) -> int:
+    """What one device's process (forked by `ranks.run`) runs: `main`, then its output flushed."""
+    code = main(argv)
+    _flush()
     return code
 
 

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Callable
 
 from tpulaunch import procfs
 from tpulaunch.host import frameworks
@@ -83,9 +84,12 @@ class Child:
         return self.returncode
 
 
-def fork_rank(state_path: str, local_rank: int, env: dict[str, str]) -> tuple[Child, int, int]:
+RankMain = Callable[[list[str]], int]  # the bootstrap's: argv [STATE, "--rank", L] -> exit code
+
+
+def fork_rank(rank_main: RankMain, state_path: str, local_rank: int, env: dict[str, str]) -> tuple[Child, int, int]:
     """Fork the process of `local_rank` with `env`: its output on two new pipes (read ends returned).
-    In the child this never returns: it boots and runs the script as the bootstrap's `main`."""
+    In the child this never returns: it runs `rank_main` (boot, then the script) and exits with its code."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     for stream in (sys.stdout, sys.stderr):
@@ -117,10 +121,7 @@ def fork_rank(state_path: str, local_rank: int, env: dict[str, str]) -> tuple[Ch
         random = sys.modules.get("numpy.random")
         if random is not None:  # as a fresh process's would be: seeded from the OS
             random.seed()
-        from tpulaunch.host import bootstrap
-
-        code = bootstrap.main([state_path, "--rank", str(local_rank)])
-        bootstrap._flush()
+        code = rank_main([state_path, "--rank", str(local_rank)])
     except BaseException:  # noqa: BLE001 - the child must never return into the host's loop
         traceback.print_exc()
     finally:
@@ -130,8 +131,9 @@ def fork_rank(state_path: str, local_rank: int, env: dict[str, str]) -> tuple[Ch
 _READ_ENDS: list[int] = []  # this host's pipes from the children forked so far (a child closes them)
 
 
-def run(state: HostState, state_path: str) -> int:
-    """Start this host's processes and wait for them. Returns the host's exit code."""
+def run(state: HostState, state_path: str, rank_main: RankMain) -> int:
+    """Start this host's processes (each running `rank_main`) and wait for them. Returns the host's
+    exit code."""
     lock = threading.Lock()
     children: list[tuple[int, int, Child]] = []
     readers: list[threading.Thread] = []
@@ -148,7 +150,7 @@ def run(state: HostState, state_path: str) -> int:
         env = {**os.environ, **p.env}
         if p.local_rank:
             env.pop(TIMINGS_ENV, None)  # local rank 0 reports the host's phases
-        child, out_r, err_r = fork_rank(state_path, p.local_rank, env)
+        child, out_r, err_r = fork_rank(rank_main, state_path, p.local_rank, env)
         _READ_ENDS.extend((out_r, err_r))
         children.append((p.rank, p.local_rank, child))
         pipes.append((p.rank, out_r, err_r))

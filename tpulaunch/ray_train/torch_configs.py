@@ -1,5 +1,5 @@
 """The torch configs of `tpulaunch.ray_train` (`TorchTrainer(torch_config=...)`), apart because a
-`TorchConfig` cannot be defined without importing torch; `tpulaunch.ray_train` hands them out."""
+`TorchConfig` cannot be defined without importing torch; the package imports them on first use."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ray.train.torch import TorchConfig
 
-from tpulaunch.ray_train import _SliceOptions, _TorchTpuBackend, _TorchXlaBackend
+from tpulaunch.ray_train.backends import _SliceOptions, _TorchTpuBackend, _TorchXlaBackend
 
 
 @dataclass

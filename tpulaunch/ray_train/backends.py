@@ -1,32 +1,5 @@
-"""Ray Train on TPU slices: `TorchTrainer` / `JaxTrainer` workers booted as `tpulaunch run` boots hosts.
-
-    from ray.train import ScalingConfig
-    from ray.train.torch import TorchTrainer
-    from tpulaunch.ray_train import XlaSpmdConfig
-
-    TorchTrainer(train_fn, torch_config=XlaSpmdConfig(mesh="data=4,model=4"), scaling_config=ScalingConfig(
-        num_workers=4, use_tpu=True, topology="2x8", accelerator_type="TPU-V6E", resources_per_worker={"TPU": 4}))
-
-Inside `train_fn`, `tpulaunch.get_mesh()` and `tpulaunch.context()` work as under `tpulaunch run`.
-
-Ray Train places one worker per TPU host and ranks them in placement order, which is not the TPU
-worker id. When the worker group is up, the backend (in Ray Train's controller) asks every worker
-for its node's TPU labels, builds the slices from them, and plans the launch with the code
-`tpulaunch run` uses (`plan_mesh`, `build_plan`): process index = the TPU worker id (slice-major
-on multislice), never Ray's rank. Each worker then gets its host's environment and HostState and
-boots exactly as a host process does (`host.bootstrap.boot`: SPMD mode, the slice's gloo group or
-`jax.distributed`, the mesh from the plan, `context()`). On an emulated cluster (no TPU devices on
-the workers) the workers emulate their hosts on CPU, as `tpulaunch run` does.
-
-A worker group that Ray Train restarts (`FailureConfig(max_failures=N)`) is planned and booted
-again, with `context().restart_count` counting up. A worker that cannot boot fails the run with
-tpulaunch's one-line reason (Ray does not retry a failed backend start).
-
-Needs `pip install 'tpulaunch[raytrain]'`; `import tpulaunch` does not import this module. The
-torch configs live in `ray_train_torch` (they are `TorchConfig`s: importing them imports torch);
-this module hands them out by name, so `JaxTrainer`'s controller and workers, which import this
-module, never import torch (4.5 CPU-s each on 2-core machines, and a JAX-only environment has none).
-"""
+"""Ray Train backends for TPU slices: plan a worker group as the slice it runs on, boot each worker
+as that slice's host (see the package's docstring), and `JaxSpmdConfig`."""
 
 from __future__ import annotations
 
@@ -334,12 +307,3 @@ class JaxSpmdConfig(_SliceOptions, JaxConfig):
     @property
     def backend_cls(self) -> type:
         return _JaxBackend
-
-
-def __getattr__(name: str) -> Any:
-    """`from tpulaunch.ray_train import XlaSpmdConfig` (or `TorchTpuConfig`): imported on first use."""
-    if name in ("XlaSpmdConfig", "TorchTpuConfig"):
-        from tpulaunch import ray_train_torch
-
-        return getattr(ray_train_torch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
