@@ -215,6 +215,7 @@ def test_host_process_sigkill(shared_cluster, workdir, tmp_path):
 
 
 @pytest.mark.cluster
+@pytest.mark.replaces_agents
 def test_host_agent_killed_is_a_lost_host(shared_cluster, workdir, tmp_path):
     launch = _shared(shared_cluster, workdir, tmp_path, "sleepy.py", "--no-dist")
     launch.wait_for(r"\] ready \d attempt 0", HOSTS)
@@ -415,6 +416,7 @@ def _cluster_dirs(home: str) -> list[str]:
 
 
 @pytest.mark.cluster
+@pytest.mark.replaces_agents
 def test_node_lost_is_blamed_and_the_slice_relaunched_on_a_restarted_node(shared_cluster, workdir, tmp_path):
     """The raylet of host 1 of the shared cluster dies; tpulaunch starts that host again (the cluster
     heals for the tests after this one) and relaunches the slice."""
