@@ -295,6 +295,13 @@ class RemoteSlice:
                                 port=self.port, head=head, head_ip=self.head_ip, dashboard=self.dashboard)
         proc = self.ssh(worker, start_command(words, self.temp_dir, cluster_id_of(token)), stdin=token)
         if proc.returncode != 0:
+            # A `ray start` that gave up waiting for its raylet (Ray's fixed 30 s) leaves the raylet
+            # running, and it may register later: on a re-created slice it would then pass for a node
+            # of the old VMs, and the next try would wait for it to go away. Stop what it left.
+            try:
+                self.ssh(worker, stop_command(self.python, self.temp_dir, cluster_id_of(token)))
+            except ClusterError:
+                pass  # the reason below matters more
             raise ClusterError(f"ray start failed on worker {worker} (exit {proc.returncode}): {_tail(proc)}",
                                f"Ray's logs are under {self.temp_dir} on that worker")
 
