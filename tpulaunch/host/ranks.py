@@ -31,6 +31,7 @@ from typing import Callable
 from tpulaunch import procfs
 from tpulaunch.host import frameworks
 from tpulaunch.host.context import TIMINGS_ENV
+from tpulaunch.host.spare import become_fresh
 from tpulaunch.plan.contract import HostState
 from tpulaunch.plan.torch_tpu import processes
 
@@ -105,10 +106,7 @@ def fork_rank(rank_main: RankMain, state_path: str, local_rank: int, env: dict[s
             os.close(fd)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        null = os.open(os.devnull, os.O_RDONLY)
-        for fd, target in ((null, 0), (out_w, 1), (err_w, 2)):
-            os.dup2(fd, target)
-            os.close(fd)
+        become_fresh(out_w, err_w, env)
         # the host's Python streams are its own pipes to the agent: the child's are fds 1 and 2
         host_out, host_err = sys.stdout, sys.stderr
         sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
@@ -116,11 +114,6 @@ def fork_rank(rank_main: RankMain, state_path: str, local_rank: int, env: dict[s
         for stream in (host_out, host_err):
             if stream.fileno() > 2:
                 stream.close()
-        os.environ.clear()
-        os.environ.update(env)
-        random = sys.modules.get("numpy.random")
-        if random is not None:  # as a fresh process's would be: seeded from the OS
-            random.seed()
         code = rank_main([state_path, "--rank", str(local_rank)])
     except BaseException:  # noqa: BLE001 - the child must never return into the host's loop
         traceback.print_exc()

@@ -207,22 +207,26 @@ def _become_host(sock: socket.socket, request: dict, fds: list[int]) -> list[str
     if os.getppid() != agent:  # the agent died before we could ask to die with it
         os._exit(70)
     out, err, py_out, py_err = fds
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    for fd in (null, out, err):
-        os.close(fd)
     from tpulaunch.host.context import PY_STDIO_ENV
 
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.environ[PY_STDIO_ENV] = f"{py_out},{py_err}"
+    become_fresh(out, err, {**request["env"], PY_STDIO_ENV: f"{py_out},{py_err}"})
     was = os.getcwd()
     os.chdir(request["cwd"])
     if sys.path and sys.path[0] == was:  # `python -m` put the spare's working directory first: the run's
         sys.path[0] = os.getcwd()
-    random = sys.modules.get("numpy.random")
-    if random is not None:  # as a fresh process's would be: seeded from the OS, not the spare's
-        random.seed()
     return [request["state"]]
+
+
+def become_fresh(out: int, err: int, env: dict[str, str]) -> None:
+    """In a forked child, what a fresh process would have: stdin from /dev/null, stdout and stderr on
+    `out` and `err` (then closed), `env` as its whole environment, and NumPy's global generator
+    seeded from the OS, not its parent's (Python reseeds `random` after a fork itself)."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((null, 0), (out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    random = sys.modules.get("numpy.random")
+    if random is not None:
+        random.seed()
