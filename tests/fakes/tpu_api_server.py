@@ -310,10 +310,18 @@ class FakeTpuApi:
         return self
 
     def stop(self) -> None:
+        """Stop serving, and end the VMs that are left (a VM's init outlives its processes, as a VM does)."""
         self._stop.set()
         if self._server:
             self._server.shutdown()
             self._server.server_close()
+        with self._lock:
+            names = list(self.nodes)
+        for pid in _vm_processes(names):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def __enter__(self) -> "FakeTpuApi":
         return self.start()
@@ -708,19 +716,8 @@ def kill_workers(node_name: str, shutdown_s: float = 0.0) -> list[int]:
     FAKE_GCLOUD_VM=project/zone/node/worker), then wipe those VMs' disks (their /tmp copies): what
     a preempted or deleted VM leaves behind is nothing. With `shutdown_s`, the processes with no
     child among them (the scripts) go first and the others `shutdown_s` later."""
-    _, project, _, zone, _, node_id = node_name.split("/")
-    mark = f"FAKE_GCLOUD_VM={project}/{zone}/{node_id}/".encode()
-    found: dict[int, int] = {}  # pid -> ppid
-    for e in os.listdir("/proc"):
-        if not e.isdigit() or int(e) == os.getpid():
-            continue
-        try:
-            env = Path(f"/proc/{e}/environ").read_bytes().split(b"\0")
-            ppid = int(Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if any(v.startswith(mark) for v in env):
-            found[int(e)] = ppid
+    node_id = node_name.rsplit("/", 1)[1]
+    found = _vm_processes([node_name])
     leaves = [p for p in found if p not in found.values()] if shutdown_s else []
     killed = []
     for batch in (leaves, [p for p in found if p not in leaves]):
@@ -739,6 +736,43 @@ def kill_workers(node_name: str, shutdown_s: float = 0.0) -> list[int]:
     for d in glob.glob(f"/tmp/*{tag}*"):
         shutil.rmtree(d, ignore_errors=True)
     return killed
+
+
+def end_vms(slices_file: str | Path) -> int:
+    """SIGKILL the init of every VM the fake gcloud made for `slices_file` (it records them beside
+    it), which ends everything under it; for tests that use the fake gcloud with no fake API."""
+    ended = 0
+    for f in glob.glob(glob.escape(str(slices_file)) + ".vm-*.pid"):
+        try:
+            pid = int(Path(f).read_text())
+            if b"FAKE_GCLOUD_VM=" in Path(f"/proc/{pid}/environ").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+                ended += 1
+        except (OSError, ValueError):
+            pass
+    return ended
+
+
+def _vm_processes(node_names: list[str]) -> dict[int, int]:
+    """pid -> ppid of every process on a VM of one of `node_names` (by the fake gcloud's mark)."""
+    marks = []
+    for n in node_names:
+        _, project, _, zone, _, node_id = n.split("/")
+        marks.append(f"FAKE_GCLOUD_VM={project}/{zone}/{node_id}/".encode())
+    found: dict[int, int] = {}
+    if not marks:
+        return found
+    for e in os.listdir("/proc"):
+        if not e.isdigit() or int(e) == os.getpid():
+            continue
+        try:
+            env = Path(f"/proc/{e}/environ").read_bytes()
+            if b"FAKE_GCLOUD_VM=" not in env or not any(v.startswith(tuple(marks)) for v in env.split(b"\0")):
+                continue
+            found[int(e)] = int(Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def _alive(pid: int) -> bool:

@@ -23,7 +23,7 @@ import pytest
 
 from fakes import FAKE_BIN, closed_port, cli_env, hermetic_path, run_cli
 from fakes.metadata_server import FakeMetadataServer
-from fakes.tpu_api_server import FakeTpuApi, make_node, standard_nodes
+from fakes.tpu_api_server import FakeTpuApi, end_vms, make_node, standard_nodes
 
 from tpulaunch import gcloud
 from tpulaunch.cluster import remote as ray_remote
@@ -262,6 +262,7 @@ def test_ssh_quoting_with_hostile_strings(tmp_path, monkeypatch):
     command = gcloud.shell_words(["printf", "%s|", *HOSTILE]) + " && " + gcloud.env_assignments(
         {"V": "$(touch PWNED4); 'q'"}) + ' /bin/sh -c \'printf "%s" "$V"\''
     proc = gcloud.tpu_vm_ssh(name, zone=zone, project=project, worker=0, command=command, stdin="")
+    end_vms(sl)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "|".join(HOSTILE) + "|" + "$(touch PWNED4); 'q'"
     (argv,) = recorded(log)
@@ -283,18 +284,44 @@ def test_ssh_quoting_with_hostile_strings(tmp_path, monkeypatch):
         gcloud.tpu_vm_ssh_argv("--zone=evil", zone="z", project="p", worker=0, command="true")
 
 
-def test_fake_gcloud_refuses_non_loopback_addresses(tmp_path):
+@pytest.fixture
+def fake_vm(tmp_path):
+    """`run(command, worker=0)` over the fake gcloud on the two workers of slice p/z/t; their VMs
+    (each an init and what runs under it) are ended afterwards, as the fake API ends a deleted node's."""
     sl = tmp_path / "slices.json"
-    sl.write_text(json.dumps({"p/z/t": {"accelerator_type": "v4-8", "topology": "2x2x1", "chips_per_host": 4,
-                                        "worker_ips": ["10.0.0.2"]}}))
+    sl.write_text(json.dumps({"p/z/t": {"accelerator_type": "v4-16", "topology": "2x2x2", "chips_per_host": 4,
+                                        "worker_ips": ["10.0.0.2", "10.0.0.3"]}}))
     env = {**os.environ, "PATH": hermetic_path(gcloud=True), "FAKE_GCLOUD_SLICES": str(sl), "HOME": str(tmp_path)}
-    run = lambda c: subprocess.run([str(FAKE_BIN / "gcloud"), "compute", "tpus", "tpu-vm", "ssh", "t", "--zone", "z",  # noqa: E731
-                                    "--project", "p", "--worker=0", "--command", c],
-                                   env=env, capture_output=True, text=True, timeout=30)
-    ok = run("echo 10.0.0.2 $TPU_WORKER_ID $TPU_NAME")
+
+    def run(command: str, worker: int = 0) -> subprocess.CompletedProcess:
+        return subprocess.run([str(FAKE_BIN / "gcloud"), "compute", "tpus", "tpu-vm", "ssh", "t", "--zone", "z",
+                               "--project", "p", f"--worker={worker}", "--command", command],
+                              env=env, capture_output=True, text=True, timeout=30)
+    yield run
+    assert end_vms(sl) >= 1, "the workers' commands ran under an init of their own"
+
+
+def test_fake_gcloud_refuses_non_loopback_addresses(fake_vm):
+    ok = fake_vm("echo 10.0.0.2 $TPU_WORKER_ID $TPU_NAME")
     assert ok.returncode == 0 and ok.stdout.strip() == "127.0.0.2 0 t"
-    bad = run("echo 10.0.0.9")
+    bad = fake_vm("echo 10.0.0.9")
     assert bad.returncode == 255 and "refusing" in bad.stderr
+
+
+def test_fake_gcloud_shows_each_worker_only_its_own_processes(fake_vm):
+    """As on separate VMs: what one worker leaves running is seen (and can be stopped) by a later
+    command on that worker, never by the other worker, and this machine's processes are not
+    theirs (a stop by environment on a worker must never reach the head running here)."""
+    started = fake_vm("sleep 300 >/dev/null 2>&1 & echo $!")
+    assert started.returncode == 0, started.stderr
+    pid = started.stdout.strip()
+    mine = fake_vm("ps -e -o pid=,args=")
+    assert f"{pid} sleep 300" in [" ".join(line.split()) for line in mine.stdout.splitlines()], mine.stdout
+    assert str(os.getpid()) not in mine.stdout.split(), "a worker sees this machine's processes"
+    other = fake_vm("ps -e -o args=", worker=1)
+    assert "sleep 300" not in other.stdout and "pytest" not in other.stdout, other.stdout
+    assert fake_vm(f"kill {pid} && while kill -0 {pid} 2>/dev/null; do sleep 0.05; done").returncode == 0
+    assert "sleep 300" not in fake_vm("ps -e -o args=").stdout
 
 
 # -- cluster join (on a TPU VM) ------------------------------------------------------------------

@@ -191,27 +191,37 @@ def test_a_preempted_slice_is_recreated_rejoined_and_the_run_resumes(cluster):
 
 
 def test_a_process_holding_the_libtpu_lockfile_stops_the_run_in_preflight(cluster):
-    """A leftover process holds the libtpu lockfile: preflight names it on every host and no script
-    starts (exit 78). (The fake VMs share this machine's /tmp; on a slice each VM has its own.
-    Emulated hosts hold no TPU and do not look, so the shared cluster's runs beside this one are
-    not stopped by it.)"""
+    """A leftover process on each worker holds the libtpu lockfile: preflight names it (by its pid
+    on that worker) on every host and no script starts (exit 78). (The holders are started over
+    the fake gcloud, so each runs on its worker; the file itself is this machine's one
+    /tmp/libtpu_lockfile, where a slice has one per VM. Emulated hosts hold no TPU and do not look,
+    so the shared cluster's runs beside this one are not stopped by it.)"""
     lock = Path("/") / LOCKFILE
     assert not lock.exists(), f"{lock} exists on this machine: this test will not touch another user's TPU lock"
-    holder = subprocess.Popen(["bash", "-c", f"exec 3>{lock}; exec sleep 300"])
+
+    def on_worker(w: int, command: str, **kw) -> subprocess.Popen:
+        return subprocess.Popen(["gcloud", "compute", "tpus", "tpu-vm", "ssh", NAME, "--zone", ZONE, "--project", "p",
+                                 f"--worker={w}", "--command", command], env=cluster["env"], text=True, **kw)
+
+    # `cd /tmp` first: the fake moves every /tmp/... path it is given onto the worker's own copy
+    holders = [on_worker(w, "cd /tmp && exec 3>libtpu_lockfile && echo $$ && exec sleep 300", stdout=subprocess.PIPE)
+               for w in range(WORKERS)]
+    pids: list[int] = []
     try:
-        end = time.monotonic() + 10
-        while not lock.exists() and time.monotonic() < end:
-            time.sleep(0.05)
+        pids += [int(h.stdout.readline()) for h in holders]
         run_id = submit(cluster, "--max-preemptions", "1")
         wait = cli(cluster, "wait", run_id, "--json", timeout=200)
     finally:
-        holder.kill()
-        holder.wait()
+        for w, pid in enumerate(pids):
+            on_worker(w, f"kill {pid}").wait(timeout=60)
+        for h in holders:
+            h.kill()
+            h.wait()
         lock.unlink(missing_ok=True)
     log = cli(cluster, "logs", run_id, timeout=60).stdout
     assert wait.returncode == ExitCode.PREFLIGHT, wait.stdout + wait.stderr + log[-3000:]
     for w in range(WORKERS):
-        assert f"preflight: host {w}'s TPU is held: pid {holder.pid} (sleep 300)" in log, log[-3000:]
+        assert f"preflight: host {w}'s TPU is held: pid {pids[w]} (sleep 300)" in log, log[-3000:]
     assert "starts at step" not in log and not list(cluster["ckpt"].iterdir()), "no script may start"
 
 
