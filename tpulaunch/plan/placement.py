@@ -173,13 +173,17 @@ def _cycle(first: int, rest: np.ndarray) -> np.ndarray:
     return np.column_stack([r, rest[c]])
 
 
-def _walks(sizes: tuple[int, ...]) -> list[np.ndarray]:
-    """Candidate orders of one axis over its factors: arrays `(prod(sizes), len(sizes))`."""
+@lru_cache(maxsize=1024)
+def _walks(sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Candidate orders of one axis over its factors: arrays `(prod(sizes), len(sizes))`, read-only
+    (cached: a search asks for the same few sizes thousands of times)."""
     import numpy as np
 
     m = len(sizes)
     if m == 1:
-        return [np.arange(sizes[0])[:, None]]
+        one = np.arange(sizes[0])[:, None]
+        one.flags.writeable = False
+        return (one,)
     perms = list(itertools.permutations(range(m))) if m <= 3 else [tuple(range(m)), tuple(reversed(range(m)))]
     out = []
     for perm in perms:
@@ -191,8 +195,9 @@ def _walks(sizes: tuple[int, ...]) -> list[np.ndarray]:
         for w in walks:
             arr = np.empty((len(w), m), dtype=np.int64)
             arr[:, perm] = w
+            arr.flags.writeable = False
             out.append(arr)
-    return out
+    return tuple(out)
 
 
 # -- the search ---------------------------------------------------------------------------------
@@ -205,17 +210,14 @@ def _best_walk(torus: Torus, factors: tuple[Factor, ...]) -> tuple[float, np.nda
     """The cheapest walk of one axis over its factors: (hops per ring step, offsets `(n, 4)`)."""
     import numpy as np
 
-    best: tuple[float, np.ndarray] | None = None
     strides = np.zeros((len(factors), 4), dtype=np.int64)
     for f, (dim, stride, _) in enumerate(factors):
         strides[f, dim] = stride
-    for walk in _walks(tuple(size for _, _, size in factors)):
-        offsets = walk @ strides
-        score = float(torus.hops(np.roll(offsets, -1, axis=0) - offsets).mean())
-        if best is None or score < best[0] - _EPS:
-            best = (score, offsets)
-    assert best is not None
-    return best
+    offsets = np.stack(_walks(tuple(size for _, _, size in factors))) @ strides  # (walks, n, 4)
+    scores = torus.hops(np.roll(offsets, -1, axis=1) - offsets).mean(axis=1)
+    # the first walk within _EPS of the least (candidates are in order of preference)
+    w = int(np.flatnonzero(scores < scores.min() + _EPS)[0])
+    return float(scores[w]), offsets[w]
 
 
 def _divisors(n: int) -> list[int]:
