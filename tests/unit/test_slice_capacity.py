@@ -20,10 +20,12 @@ PARENT = f"projects/p/locations/{ZONE}"
 
 
 @pytest.fixture
-def api(tmp_path):
-    # PROVISIONING lasts a second: the CLI's polls (0.5 s, then longer) see every state even when
-    # this machine is busy (a 0.3 s window could fall between two polls)
-    with FakeTpuApi(wait_s=0.3, provision_s=1.0, suspend_s=0.3, stockout_fail_s=0.5,
+def api(request, tmp_path):
+    # "slow" (parametrize indirectly): PROVISIONING lasts a second, so the CLI's polls (0.5 s, then
+    # longer) see every state even when this machine is busy (a 0.3 s window could fall between two
+    # polls). Otherwise a slice is ACTIVE at the CLI's second poll.
+    wait_s, provision_s = (0.3, 1.0) if getattr(request, "param", "quick") == "slow" else (0.05, 0.05)
+    with FakeTpuApi(wait_s=wait_s, provision_s=provision_s, suspend_s=0.3, stockout_fail_s=0.5,
                     gcloud_slices=str(tmp_path / "slices.json")) as fake:
         yield fake
 
@@ -48,6 +50,7 @@ def created_body(api) -> dict:
 # -- request bodies as the REST reference has them ---------------------------------------------------
 
 
+@pytest.mark.parametrize("api", ["slow"], indirect=True)
 def test_create_spot_by_type_waits_through_the_states(api, env):
     proc = invoke("slice", "create", "s1", "--accelerator", "v4-16", "--spot", "--wait", *C2, env=env)
     assert proc.returncode == 0, proc.stderr
