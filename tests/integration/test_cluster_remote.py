@@ -165,7 +165,7 @@ def test_up_status_idempotent_down(remote):
     assert "worker 0: head up" in p.stderr and "worker 1: joined" in p.stderr
 
     cmds = ssh_commands(log)
-    starts = [(w, c) for w, c in cmds if "ray.scripts.scripts start" in c]
+    starts = [(w, c) for w, c in cmds if "tpulaunch-ray-start" in c]
     assert sorted(w for w, _ in starts) == list(range(WORKERS))
     token = Path(doc["token_path"]).read_text().strip()
     assert len(token) == 64
@@ -223,7 +223,7 @@ def test_up_status_idempotent_down(remote):
     p2 = run_cli(*up_args(remote), env=env, timeout=120)
     assert p2.returncode == 0, p2.stderr
     new = ssh_commands(log)[n_before:]
-    assert new and not any("ray.scripts.scripts start" in c for _, c in new)
+    assert new and not any("tpulaunch-ray-start" in c for _, c in new)
     assert [w for w, _ in new] == [0]  # just the question to the head
     assert p2.stderr.count("already in the cluster") == WORKERS
 

@@ -143,7 +143,7 @@ def cluster(cloud):
 def test_a_preempted_slice_is_recreated_rejoined_and_the_run_resumes(cluster):
     cloud, api, doc = cluster, cluster["api"], cluster["up"]
     assert doc["remote"]["head"] == "local" and doc["remote"]["setup"] == cluster["setup"]
-    starts = [(w, c) for w, c in ssh_commands(cloud["log"]) if "ray.scripts.scripts start" in c]
+    starts = [(w, c) for w, c in ssh_commands(cloud["log"]) if "tpulaunch-ray-start" in c]
     assert sorted(w for w, _ in starts) == list(range(WORKERS))
     assert all("--head" not in c and f"--address 127.0.0.2:{cloud['port']}" in c for _, c in starts)
     assert procs_of(cloud["head_dir"]), "the head does not run here"

@@ -32,6 +32,8 @@ import os
 import sys
 import traceback
 
+from tpulaunch.cluster.worker_start import patient_get_node
+
 
 def _params(node: dict):  # noqa: ANN202 - a ray._private.parameter.RayParams
     from ray._private.parameter import RayParams
@@ -56,37 +58,6 @@ def _params(node: dict):  # noqa: ANN202 - a ray._private.parameter.RayParams
     else:
         params.gcs_address = node["address"]
     return params
-
-
-REGISTER_WAIT_S = 90.0  # under the launcher's START_TIMEOUT_S for a node
-
-
-def _patient_get_node() -> None:
-    """Ray's `Node()` waits for its raylet to register by calling `services.get_node` in a loop with
-    no pause, each call a new GCS connection: while one node starts, this process spins a core
-    and loads the GCS that every node already up shares. And it gives up after a fixed 30 s
-    (`raylet_start_wait_time_s` in ray/_private/node.py, no setting), which a raylet on a machine
-    busy with other slices' framework imports has been seen to need. Ray looks the function up
-    at each call, so this one tries again itself, every 50 ms, for up to `REGISTER_WAIT_S` from
-    the first call for a node, before it lets the failure through."""
-    import time
-
-    import ray._private.services as services
-
-    real = services.get_node
-    first_call: dict = {}
-
-    def get_node(gcs_address, node_id):  # noqa: ANN001, ANN202 - Ray's signature
-        deadline = first_call.setdefault(node_id, time.monotonic()) + REGISTER_WAIT_S
-        while True:
-            try:
-                return real(gcs_address, node_id)
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    services.get_node = get_node
 
 
 def start_node(node: dict) -> str:
@@ -128,7 +99,7 @@ def main() -> int:
     import ray._private.node  # noqa: F401 - while the head comes up, for a helper of joining nodes
 
     _private_dirs()
-    _patient_get_node()
+    patient_get_node()  # Ray's `Node()` waits for each raylet spinning a core, and only 30 s (worker_start says why)
     address = None
     for node in batch["nodes"]:
         if not node["head"]:

@@ -8,8 +8,8 @@ on TPU VMs are internal, so the head is asked through ssh to worker 0.
 What runs on each worker (every piece quoted with `shlex.quote`; nothing user-given unquoted):
 
 * the token goes over **stdin**: `umask 077 && mkdir -p ~/.tpulaunch && cat > ~/.tpulaunch/ray_token`;
-* then `RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=~/.tpulaunch/ray_token python3 -m ray.scripts.scripts
-  start ...`: head on worker 0 (GCS on `--port`, default 6379, the one port others must know;
+* then `RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=~/.tpulaunch/ray_token python3 -c <worker_start.py>
+  start ...` (Ray's own CLI, waiting for its raylet without spinning and up to 90 s): head on worker 0 (GCS on `--port`, default 6379, the one port others must know;
   dashboard, if any, bound to 127.0.0.1), `--address <worker 0 internal IP>:PORT` elsewhere.
   Every other Ray port is 0 (random): no clashes with anything else on the VM, nothing to open.
   No `--resources`: on a TPU VM Ray counts the chips itself and derives the `TPU-*` resources and
@@ -40,7 +40,7 @@ from typing import Callable
 
 from tpulaunch import gcloud
 from tpulaunch.gcloud import SSH_TIMEOUT
-from tpulaunch.cluster import worker_query, worker_stop
+from tpulaunch.cluster import worker_query, worker_start, worker_stop
 from tpulaunch.cluster.ownership import ID_ENV, MARKER
 from tpulaunch.cluster.record import ClusterInfo, RemoteSpec, check_token_file, state_dir
 from tpulaunch.errors import ClusterError
@@ -73,8 +73,9 @@ def ray_start_words(
     *, python: str, node_ip: str, temp_dir: str, port: int, head: bool, head_ip: str | None = None,
     dashboard: bool = False,
 ) -> list[str]:
-    """argv of `ray start` on one TPU VM (head on worker 0, join elsewhere)."""
-    argv = [python, "-m", "ray.scripts.scripts", "start",
+    """argv of `ray start` on one TPU VM (head on worker 0, join elsewhere): Ray's CLI with a patient
+    wait for the raylet (`worker_start`)."""
+    argv = [python, "-c", _source(worker_start), "start",
             "--node-ip-address", node_ip, "--temp-dir", temp_dir,
             "--dashboard-agent-listen-port", "0", "--min-worker-port", "0", "--max-worker-port", "0",
             "--disable-usage-stats"]
