@@ -176,3 +176,45 @@ def test_a_slice_preempted_again_with_no_preemption_left_ends_it_and_keeps_the_r
         back.run(60)
     assert back.calls == ["make"] and back.again == 0
     assert [r.join_failures for r in back.made] == [["cannot be reached"]]  # the caller still sees it made
+
+
+def test_a_join_again_keeps_the_new_vms_that_joined_and_starts_only_the_others(tmp_path, monkeypatch):
+    """Re-created VMs joining after a join that half failed (worker 1 joined, worker 0 did not):
+    worker 1's node is the new VM's own, so only worker 0 is started. Taken for an old VM's node
+    (`replaced`, the first join's rule), it would be waited on until the preemption wait ran out."""
+    from tpulaunch.cluster.remote import RemoteSlice, ensure_token
+    from tpulaunch.errors import ClusterError
+
+    monkeypatch.setenv("TPULAUNCH_HOME", str(tmp_path))
+
+    class HalfJoined(RemoteSlice):
+        started: list[int] = []
+
+        def query(self) -> dict:
+            return {"head": True, "nodes": [
+                {"Alive": True, "Labels": {"ray.io/tpu-slice-name": "s", "ray.io/tpu-worker-id": "1"}},
+                {"Alive": False, "Labels": {"ray.io/tpu-slice-name": "s", "ray.io/tpu-worker-id": "0"}}]}
+
+        def _start(self, worker: int, token: str, head: bool) -> None:
+            self.started.append(worker)
+
+    topo = resolve("v4-16")
+    rs = HalfJoined(SliceSpec(name="s", accelerator_type="v4-16", topology=topo.topology, source="tpu-api",
+                              zone="z", project="p",
+                              workers=(WorkerEndpoint(0, "10.0.9.7"), WorkerEndpoint(1, "10.0.9.8"))))
+    ensure_token(rs.key)  # the cluster's, as the head has it
+    said: list[tuple[int, str]] = []
+    rs.up(progress=lambda w, s: said.append((w, s)), replaced=False)
+    assert rs.started == [0] and (1, "already in the cluster") in said
+    with pytest.raises(ClusterError, match="Ray still counts the old VMs of 's' as alive"):
+        rs.up(replaced=True, replaced_wait_s=0)
+
+
+def test_comeback_joins_again_as_a_join_again(monkeypatch):
+    """`Comeback` retries a join of VMs it made with `again=True` (the rule above), its first join not."""
+    from tpulaunch.run import recreate
+
+    calls: list[bool] = []
+    monkeypatch.setattr(recreate, "rejoin", lambda *a, again=False, **k: calls.append(again) or [])
+    Comeback(_cluster(head="local"), ["s"], lambda m: None, budget=1).rejoin(10)
+    assert calls == [True]

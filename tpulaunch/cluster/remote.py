@@ -480,12 +480,14 @@ class RemoteCluster:
             out.update({("head" if w == -1 else f"{rs.spec.name}/{w}" if many else str(w)): r for w, r in got.items()})
         return out
 
-    def rejoin(self, info: ClusterInfo, index: int, fresh: SliceSpec, progress: Progress, wait_s: float) -> None:
+    def rejoin(self, info: ClusterInfo, index: int, fresh: SliceSpec, progress: Progress, wait_s: float,
+               replaced: bool = True) -> None:
         """Slice `index` was made again (new VMs): set them up, join them to the head (whose address
-        stays: it is off the slices) and keep the record's slice current."""
+        stays: it is off the slices) and keep the record's slice current. `replaced=False`: the old
+        VMs' nodes are known gone (a join again): the slice's nodes in Ray are its own."""
         rs = self.slices[index]
         rs.spec = fresh
-        rs.up(progress=progress, replaced=True, replaced_wait_s=wait_s)
+        rs.up(progress=progress, replaced=replaced, replaced_wait_s=wait_s)
         info.slices[index] = fresh
 
 

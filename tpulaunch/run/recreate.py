@@ -237,7 +237,7 @@ class Comeback:
         return bring_back(self.cluster, self.lost, deadline_s, self.say)
 
     def rejoin(self, deadline_s: float) -> list[SliceSpec]:
-        return rejoin(self.cluster, self.lost, deadline_s, self.say)
+        return rejoin(self.cluster, self.lost, deadline_s, self.say, again=True)
 
     def preempted_again(self) -> bool:
         """Does the Cloud TPU API say a lost slice must be made again (preempted while it came back)?"""
@@ -247,8 +247,12 @@ class Comeback:
                    for s in self.cluster.slices if s.name in self.lost)
 
 
-def rejoin(cluster: ClusterInfo, names: list[str], deadline_s: float, say: Callable[[str], None]) -> list[SliceSpec]:
+def rejoin(cluster: ClusterInfo, names: list[str], deadline_s: float, say: Callable[[str], None], *,
+           again: bool = False) -> list[SliceSpec]:
     """Set up the (new) VMs of these slices and join them to the head; the record follows them.
+    `again`: a join of the same new VMs after one that failed. The first waited for Ray to let go
+    of the old VMs' nodes, so the slice's nodes Ray has now are new VMs that did join: they are kept
+    and only the others join (waiting for them to go would wait out the whole preemption wait).
     Returns the cluster's slices as they are now. Raises RejoinFailed."""
     from tpulaunch import discover
     from tpulaunch.cluster.remote import RemoteCluster
@@ -264,7 +268,7 @@ def rejoin(cluster: ClusterInfo, names: list[str], deadline_s: float, say: Calla
             # the head is off the slices (`refusal`): its address stays, only the workers are new
             RemoteCluster.of(cluster).rejoin(cluster, i, fresh,
                                              lambda w, s, name=spec.name: say(f"slice {name} worker {w}: {s}"),
-                                             max(1.0, end - time.monotonic()))
+                                             max(1.0, end - time.monotonic()), replaced=not again)
         except TpulaunchError as e:
             raise RejoinFailed(e.line()) from None
     save_record(cluster)  # the record follows the new VMs (status, down, the next re-creation)
