@@ -9,8 +9,9 @@ What runs on each worker (every piece quoted with `shlex.quote`; nothing user-gi
 
 * the token goes over **stdin**: `umask 077 && mkdir -p ~/.tpulaunch && cat > ~/.tpulaunch/ray_token`;
 * then `RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=~/.tpulaunch/ray_token python3 -c <worker_start.py>
-  start ...` (Ray's own CLI, waiting for its raylet without spinning and up to 90 s): head on worker 0 (GCS on `--port`, default 6379, the one port others must know;
-  dashboard, if any, bound to 127.0.0.1), `--address <worker 0 internal IP>:PORT` elsewhere.
+  start ...` (Ray's own CLI, waiting for its raylet without spinning and up to 90 s): head on
+  worker 0 (GCS on `--port`, default 6379, the one port others must know; dashboard, if any, bound
+  to 127.0.0.1), `--address <worker 0 internal IP>:PORT` elsewhere.
   Every other Ray port is 0 (random): no clashes with anything else on the VM, nothing to open.
   No `--resources`: on a TPU VM Ray counts the chips itself and derives the `TPU-*` resources and
   `ray.io/tpu-*` labels from the metadata server.
@@ -296,9 +297,10 @@ class RemoteSlice:
                                 port=self.port, head=head, head_ip=self.head_ip, dashboard=self.dashboard)
         proc = self.ssh(worker, start_command(words, self.temp_dir, cluster_id_of(token)), stdin=token)
         if proc.returncode != 0:
-            # A `ray start` that gave up waiting for its raylet (Ray's fixed 30 s) leaves the raylet
-            # running, and it may register later: on a re-created slice it would then pass for a node
-            # of the old VMs, and the next try would wait for it to go away. Stop what it left.
+            # A `ray start` that gave up waiting for its raylet (`worker_start`'s 90 s) leaves the
+            # raylet running, and it may register later: on a re-created slice it would then pass
+            # for a node of the old VMs, and the next try would wait for it to go away. Stop what
+            # it left.
             try:
                 self.ssh(worker, stop_command(self.python, self.temp_dir, cluster_id_of(token)))
             except ClusterError:
