@@ -4,13 +4,15 @@
 * The emulated Ray cluster used by launch tests is started once per session (`shared_cluster`)
   and shared; only lifecycle tests start their own.
 * `tests/unit/` is the unit tier (`./scripts/test -m unit`), `tests/integration/` the rest.
-* `./scripts/test` (no arguments) runs two pytest processes side by side: the integration tests
-  that share the emulated cluster (in order: some follow each other's state), and beside them the
-  unit tier, then the integration modules that share nothing (`apart`: their own clusters and
-  fake clouds; `tests/integration/conftest.py` lists them). The integration tests spend most of
-  their time waiting on processes (the whole suite used 45% of one core), so the second stream
-  comes off the wall time. (pytest-xdist's `loadgroup` would do it in one process, but its 3.8
-  cannot group on pytest 9.2, whose nodes keep their id elsewhere.)
+* `./scripts/test` (no arguments) runs three pytest processes side by side: the integration tests
+  that share the emulated cluster (in order: some follow each other's state); the unit tier, then
+  the integration modules that share nothing and run VMs through the fake Cloud TPU API and gcloud
+  (`apart` and `cloud`); and the other modules that share nothing (`apart`: their own clusters;
+  `tests/integration/conftest.py` lists them). Each stream spends much of its time waiting on
+  processes (the shared one, run alone, used about one core of two), so the other two come off
+  the wall time; the unit tier, waiting on slow fake servers more than computing (43 CPU-s in
+  71 s), is no longer in front of the `apart` modules. (pytest-xdist's `loadgroup` would do it in
+  one process, but its 3.8 cannot group on pytest 9.2, whose nodes keep their id elsewhere.)
 * Every process the suite starts compiles XLA programs for the CPU without LLVM's optimizations
   (`XLA_FLAGS=--xla_backend_optimization_level=0`, unless XLA_FLAGS is set already), as a user's
   shell could. The suite's scripts run a few steps each, so compiling dominates their time: the

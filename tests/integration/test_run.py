@@ -162,6 +162,7 @@ def test_exec_failure_gives_that_hosts_exit_code(shared_cluster, tmp_path):
     assert summary["first_failure"]["process_index"] == 1
 
 
+@pytest.mark.lifecycle
 def test_emulated_multislice_trains(tmp_path):
     """Two emulated v4 2x2x2 slices (2 hosts each) gang-scheduled together; the JAX MLP recipe trains
     over both (one JAX runtime of 4 processes; the data axis spans the slices over DCN)."""
