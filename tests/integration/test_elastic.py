@@ -58,6 +58,11 @@ def save(step, w):
             json.dump({{"step": step, "file": path}}, f)
         os.replace(os.path.join(CKPT, "latest.tmp"), os.path.join(CKPT, "latest.json"))
     tpulaunch.heartbeat(step=step, checkpoint=True)
+    # an attempt on fewer slices holds at its checkpoints past halfway until the run grows back (it is
+    # stopped then): the lost slice's host may take longer to start again than the steps left last
+    while ctx.attempt_reason == "shrink" and step >= STEPS // 2:
+        time.sleep(0.2)
+        tpulaunch.heartbeat(step=step, checkpoint=True)
 
 
 def report(step, loss, start):
