@@ -78,6 +78,9 @@ def cli_env(home: Path, *, gcloud: bool = False, **extra: str) -> dict[str, str]
         NO_GCE_CHECK="true",  # google-auth must never probe a real metadata server from tests
         GCE_METADATA_IP=f"127.0.0.1:{closed_port()}",
         CLOUDSDK_CONFIG=str(home / "gcloud-config"),
+        # the fake API answers from the pytest process, which a loaded 2-core machine can hold off the
+        # CPU for seconds (CI once timed out at the default 10 s); the default is tested in the unit tier
+        TPULAUNCH_API_TIMEOUT="60",
     )
     env.update(extra)
     return env
