@@ -1,4 +1,5 @@
-"""Ports chosen for processes started later: one launcher never hands out the same port twice.
+"""Ports chosen for processes started later: one launcher never hands out the same port twice,
+nor one another launcher of this user claimed lately.
 
 A cold run picks its MASTER_PORT, then starts its cluster's nodes with 9 ports each; none of
 those is bound when the next is chosen, so "free now" alone cannot keep them apart.
@@ -6,9 +7,21 @@ those is bound when the next is chosen, so "free now" alone cannot keep them apa
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
+import time
+
+import pytest
 
 from tpulaunch.cluster import ports
+
+
+@pytest.fixture(autouse=True)
+def own_claims(tmp_path, monkeypatch):
+    """Claims in a directory of this test's: other launchers on this machine claim ports too."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path / f"tpulaunch-{os.getuid()}-ports"
 
 
 def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound(monkeypatch):
@@ -41,3 +54,34 @@ def test_a_port_someone_holds_is_not_handed_out(monkeypatch):
     finally:
         for s in held:
             s.close()
+
+
+def test_a_port_another_launcher_claimed_lately_is_not_handed_out_but_a_stale_claim_is_taken_over(monkeypatch, own_claims):
+    monkeypatch.setattr(ports, "_handed_out", set())
+    monkeypatch.setattr(ports.random, "sample", lambda population, k: list(population)[:k])  # in order
+    first = ports.LOWEST
+    while not all(ports._is_free(p) for p in (first, first + 1)):
+        first += 2
+    monkeypatch.setattr(ports, "LOWEST", first)
+    own_claims.mkdir(mode=0o700)
+    (own_claims / str(first)).write_text("")  # another launcher's, just now
+    assert ports.free_port() == first + 1
+    assert (own_claims / str(first + 1)).exists()  # this launcher's claim, for the next one to see
+    monkeypatch.setattr(ports, "_handed_out", set())
+    os.utime(own_claims / str(first + 1), (time.time() - ports.CLAIM_TTL_S - 1,) * 2)  # long since bound, or never
+    assert ports.free_port() == first + 1
+    assert time.time() - (own_claims / str(first + 1)).stat().st_mtime < 60  # claimed anew
+
+
+@pytest.mark.parametrize("kind", ["symlink", "writable by others", "a file"])
+def test_a_claims_directory_that_is_not_the_users_own_is_not_used(tmp_path, own_claims, kind):
+    if kind == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        own_claims.symlink_to(tmp_path / "elsewhere")
+    elif kind == "writable by others":
+        own_claims.mkdir()
+        own_claims.chmod(0o777)
+    else:
+        own_claims.write_text("")
+    assert ports._claims_dir() is None
+    assert len(set(ports.free_ports(3))) == 3  # ports are still chosen, by this process alone
