@@ -100,3 +100,26 @@ def test_junk_slices_are_one_line(tmp_path):
         path.write_text(json.dumps({**V1_REMOTE, "slices": junk}))
         with pytest.raises(StateError, match="'slices' holds something other than slices"):
             load_record(path)
+
+
+def test_a_cluster_that_could_not_start_keeps_its_logs_where_the_error_says(tmp_path, monkeypatch):
+    """Its temp dir goes with it (`stop_cluster`); every node's logs and the helpers' are copied out first."""
+    from tpulaunch.cluster.emulated import keep_logs
+
+    monkeypatch.setenv("TPULAUNCH_HOME", str(tmp_path / "home"))
+    temp = tmp_path / "tpl-x"
+    files = {"ray/session_1/logs/raylet.out": "Check failed: Timed out waiting for file",
+             "s0w1/session_1/logs/dashboard_agent.log": "agent", "nodes.log": "helper",
+             "ray/session_1/sockets/raylet": "", "ray/session_1/ports_by_node.json": "{}", "tpulaunch-cluster": "{}"}
+    for rel, text in files.items():
+        (temp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (temp / rel).write_text(text)
+    (temp / "ray" / "session_latest").symlink_to(temp / "ray" / "session_1")
+    kept = keep_logs(ClusterInfo(address="", temp_dir=str(temp), token_path=None, emulated=True, cluster_id="c0ffee"))
+    assert kept == str(tmp_path / "home" / "failed-starts" / "c0ffee")
+    got = sorted(str(p.relative_to(kept)) for p in tmp_path.joinpath(kept).rglob("*") if p.is_file())
+    assert got == ["nodes.log", "ray/session_1/logs/raylet.out", "s0w1/session_1/logs/dashboard_agent.log"]
+    assert (tmp_path / kept / "ray/session_1/logs/raylet.out").read_text().startswith("Check failed")
+    empty = tmp_path / "tpl-empty"
+    empty.mkdir()
+    assert keep_logs(ClusterInfo(address="", temp_dir=str(empty), token_path=None, emulated=True, cluster_id="c1")) is None

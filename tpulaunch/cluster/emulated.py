@@ -123,6 +123,31 @@ def _start_nodes(info: ClusterInfo, nodes: list[dict], on_head: Callable[[str], 
                            f"run with --debug; Ray's logs are under {info.temp_dir} (the helpers' in nodes.log)")
 
 
+def keep_logs(info: ClusterInfo) -> str | None:
+    """Copy the logs of a cluster that could not start (every node's `session_*/logs/`, and the
+    helpers' `nodes.log`) to `$TPULAUNCH_HOME/failed-starts/<cluster id>/`, as its temp dir is
+    removed with it: the error names where they are, and they say why. None if there were none."""
+    if not info.temp_dir or not info.cluster_id:
+        return None
+    dest = os.path.join(state_dir(), "failed-starts", info.cluster_id)
+    kept = 0
+    for root, _dirs, files in os.walk(info.temp_dir):  # symlinks (session_latest) are not followed
+        rel = os.path.relpath(root, info.temp_dir)
+        for name in files:
+            if not ("logs" in rel.split(os.sep) or (rel == "." and name == "nodes.log")):
+                continue
+            src = os.path.join(root, name)
+            try:
+                if not os.path.isfile(src) or os.path.islink(src):
+                    continue
+                os.makedirs(os.path.join(dest, rel), mode=0o700, exist_ok=True)
+                shutil.copyfile(src, os.path.join(dest, rel, name))
+                kept += 1
+            except OSError:
+                pass  # a log that vanished or cannot be read: the others are still worth keeping
+    return dest if kept else None
+
+
 def _read_helper(proc: subprocess.Popen, events: queue.Queue) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -255,6 +280,11 @@ def start_emulated(
     say(f"starting the Ray head: host 0 of slice {hosts[0][0].name}")
     try:
         _start_nodes(info, nodes, on_head=head_up, on_node=joined)
+    except ClusterError as e:
+        kept = keep_logs(info)
+        stop_cluster(info)  # the temp dir goes with it: its logs were kept first
+        where = f"Ray's logs are kept under {kept} (the helpers' in nodes.log)" if kept else "Ray wrote no logs"
+        raise ClusterError(e.message, f"run with --debug; {where}") from e
     except BaseException:
         stop_cluster(info)
         raise

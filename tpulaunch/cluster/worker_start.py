@@ -9,11 +9,27 @@ has been seen to need. Ray looks the function up at each call, so the one instal
 again itself, every 50 ms, for up to `REGISTER_WAIT_S` from the first call for a node, before it
 lets the failure through.
 
+And the raylet itself gives up on its node after 15 s: it waits for the dashboard agent it starts
+to write the port its HTTP server listens on to a file (`dashboard_agent_listen_port_<node id>` in
+the session dir), and that agent first imports every dashboard module (2.4 CPU-s on these
+machines). With the machine's cores busy (emulated hosts importing their frameworks, other
+nodes starting) the agent has been seen to take longer, and the raylet exits with "Check failed:
+... Timed out waiting for file ...dashboard_agent_listen_port_..." (its log): the node never
+registers, and Ray says "The current node timed out during startup". Ray has no setting for those
+15 s (`WaitForPersistedPort`'s default); the port file exists only to tell the raylet a port the
+agent chose itself. So the port is chosen here (`--dashboard-agent-listen-port 0` becomes a port
+free now, below the ephemeral range), and written to that file, as the agent will write it, just
+before the raylet starts (`early_agent_port`): the raylet goes on at once, and the agent takes
+the port when it is ready.
+
 Runs on a TPU worker over gcloud ssh (and for a head off the slice, here), sent as its own source
 with `python -c` (`cluster/remote.py`), so the worker needs Ray and no tpulaunch; emulated nodes
-(`cluster/nodes.py`) install the same wait in their own process.
+(`cluster/nodes.py`) install the same wait and the same early port in their own process (their
+ports are chosen by the launcher).
 """
 
+import random
+import socket
 import sys
 import time
 
@@ -40,9 +56,50 @@ def patient_get_node(wait_s: float = REGISTER_WAIT_S) -> None:
     services.get_node = get_node
 
 
+def early_agent_port() -> None:
+    """Before each raylet starts, write its dashboard agent's listen port (when it is a number
+    chosen ahead, not 0) to the file the raylet waits on, as the agent itself will."""
+    import ray._private.node as node
+    from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port
+
+    real = node.Node.start_raylet
+
+    def start_raylet(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - Ray's signature
+        port = self._ray_params.dashboard_agent_listen_port
+        if port:
+            persist_port(self._session_dir, self._node_id, DASHBOARD_AGENT_LISTEN_PORT_NAME, port)
+        return real(self, *args, **kwargs)
+
+    node.Node.start_raylet = start_raylet
+
+
+def choose_agent_port(argv: list[str]) -> list[str]:
+    """`--dashboard-agent-listen-port 0` with a port free now instead, below the kernel's ephemeral
+    range (where no outgoing connection takes it before the agent binds it)."""
+    if "--dashboard-agent-listen-port" not in argv:
+        return argv
+    i = argv.index("--dashboard-agent-listen-port") + 1
+    if i >= len(argv) or argv[i] != "0":
+        return argv
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            top = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        top = 32768
+    for port in random.sample(range(10000, top), min(200, max(0, top - 10000))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return argv[:i] + [str(port)] + argv[i + 1:]
+    return argv  # nothing free there: the agent chooses (and the raylet waits for it, as Ray does)
+
+
 if __name__ == "__main__":
     patient_get_node()
+    early_agent_port()
     from ray.scripts.scripts import main
 
-    sys.argv = ["ray", *sys.argv[1:]]
+    sys.argv = ["ray", *choose_agent_port(sys.argv[1:])]
     main()
