@@ -1,5 +1,7 @@
 """Goodput of a real run on the shared emulated slice: a script that saves every 20 steps, fails once at
-step 50 (`--max-restarts 1`) and resumes from step 40; in the foreground and detached. The script
+step 50 (host 0, the host goodput reads: had every host exited there, the launcher could stop host
+0 between the step's collective and its heartbeat, seen under load) and resumes from step 40
+(`--max-restarts 1`); in the foreground and detached. The script
 uses only `tpulaunch.heartbeat` (no framework is booted: what is measured is the launcher's clock).
 Its hosts step in lockstep, as SPMD hosts do (a file barrier stands for the step's collective):
 goodput reads one host's steps for the run's, which holds only if no host runs ahead."""
@@ -50,8 +52,8 @@ for step in range(start + 1, 71):
             json.dump({{"step": step}}, open(ck + ".tmp", "w"))
             os.replace(ck + ".tmp", ck)
         tpulaunch.heartbeat(step=step, checkpoint=True)
-    if step == 50 and ctx.restart_count == 0:
-        sys.exit(3)
+    if step == 50 and ctx.restart_count == 0 and ctx.process_index == 0:
+        sys.exit(3)  # after its step-50 heartbeat; the others wait at step 51's collective until stopped
 print("done", flush=True)
 """
 
