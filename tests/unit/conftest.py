@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -18,16 +17,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/tests/unit/" in str(item.fspath):
             item.add_marker(pytest.mark.unit)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _own_temp_dir(tmp_path_factory):
-    """`tempfile`'s directory is the session's own: what a rule keeps there for other processes (the
-    ports it claimed, `cluster/ports.py`) is neither seen from an earlier run nor left for a later one."""
-    was = tempfile.tempdir
-    tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
-    yield
-    tempfile.tempdir = was
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -175,7 +176,8 @@ def test_dry_run_document_lists_every_process_with_its_env():
     json.dumps(doc)
 
 
-def test_the_ports_tpulaunch_hands_out_avoid_torch_tpus_fixed_ones(monkeypatch):
+def test_the_ports_tpulaunch_hands_out_avoid_torch_tpus_fixed_ones(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # claims of its own: another run may have claimed 12345
     monkeypatch.setattr(ports, "_handed_out", set(ports._handed_out))
     picks = iter([[torch_tpu.MASTER_PORT, torch_tpu.HANDSHAKE_PORT, 12345]])
     monkeypatch.setattr(random, "sample", lambda *_a, **_k: next(picks))
