@@ -283,7 +283,7 @@ def start_emulated(
     except ClusterError as e:
         kept = keep_logs(info)
         stop_cluster(info)  # the temp dir goes with it: its logs were kept first
-        where = f"Ray's logs are kept under {kept} (the helpers' in nodes.log)" if kept else "Ray wrote no logs"
+        where = f"Ray's logs are kept under {kept} (the helpers' in nodes.log)" if kept else "no Ray log could be kept"
         raise ClusterError(e.message, f"run with --debug; {where}") from e
     except BaseException:
         stop_cluster(info)
