@@ -21,10 +21,11 @@ PARENT = f"projects/p/locations/{ZONE}"
 
 @pytest.fixture
 def api(request, tmp_path):
-    # "slow" (parametrize indirectly): PROVISIONING lasts a second, so the CLI's polls (0.5 s, then
-    # longer) see every state even when this machine is busy (a 0.3 s window could fall between two
-    # polls). Otherwise a slice is ACTIVE at the CLI's second poll.
-    wait_s, provision_s = (0.3, 1.0) if getattr(request, "param", "quick") == "slow" else (0.05, 0.05)
+    # "slow" (parametrize indirectly): PROVISIONING lasts 4 s, so the CLI's polls (0.5 s apart, then
+    # 1.5 times longer each: 4 of them by 4.3 s) see every state even when this machine is busy (a 0.3 s
+    # window fell between two polls; so did a 1 s one, beside the rest of the suite at nice 10).
+    # Otherwise a slice is ACTIVE at the CLI's second poll.
+    wait_s, provision_s = (0.3, 4.0) if getattr(request, "param", "quick") == "slow" else (0.05, 0.05)
     with FakeTpuApi(wait_s=wait_s, provision_s=provision_s, suspend_s=0.3, stockout_fail_s=0.5,
                     gcloud_slices=str(tmp_path / "slices.json")) as fake:
         yield fake
