@@ -88,13 +88,9 @@ def test_a_claims_directory_that_is_not_the_users_own_is_not_used(tmp_path, own_
 
 
 def test_the_agent_port_ray_start_would_leave_to_the_agent_is_chosen_ahead():
-    """`worker_start`: with a number known ahead, the raylet need not wait for the agent to say it."""
-    from tpulaunch.cluster.worker_start import choose_agent_port
+    """`worker_start`: for `--dashboard-agent-listen-port 0` a port is chosen before the raylet
+    starts (so it need not wait for the agent to say it): free, and below the ephemeral range."""
+    from tpulaunch.cluster.worker_start import free_low_port
 
-    argv = ["start", "--dashboard-agent-listen-port", "0", "--head"]
-    got = choose_agent_port(argv)
-    port = int(got[2])
-    assert got[:2] + got[3:] == ["start", "--dashboard-agent-listen-port", "--head"]
+    port = free_low_port()
     assert ports.LOWEST <= port < ports._ephemeral_low() and ports._is_free(port)
-    assert choose_agent_port(["start", "--dashboard-agent-listen-port", "8123"])[2] == "8123"  # the user's own
-    assert choose_agent_port(["start", "--head"]) == ["start", "--head"]

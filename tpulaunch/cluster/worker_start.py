@@ -17,10 +17,10 @@ nodes starting) the agent has been seen to take longer, and the raylet exits wit
 ... Timed out waiting for file ...dashboard_agent_listen_port_..." (its log): the node never
 registers, and Ray says "The current node timed out during startup". Ray has no setting for those
 15 s (`WaitForPersistedPort`'s default); the port file exists only to tell the raylet a port the
-agent chose itself. So the port is chosen here (`--dashboard-agent-listen-port 0` becomes a port
-free now, below the ephemeral range), and written to that file, as the agent will write it, just
-before the raylet starts (`early_agent_port`): the raylet goes on at once, and the agent takes
-the port when it is ready.
+agent chose itself. So the port is known before the raylet starts (`early_agent_port`: the one
+given, or for `--dashboard-agent-listen-port 0` one free now below the ephemeral range, which the
+agent is told) and written to that file, as the agent will write it: the raylet goes on at once,
+and the agent takes the port when it is ready.
 
 Runs on a TPU worker over gcloud ssh (and for a head off the slice, here), sent as its own source
 with `python -c` (`cluster/remote.py`), so the worker needs Ray and no tpulaunch; emulated nodes
@@ -57,30 +57,28 @@ def patient_get_node(wait_s: float = REGISTER_WAIT_S) -> None:
 
 
 def early_agent_port() -> None:
-    """Before each raylet starts, write its dashboard agent's listen port (when it is a number
-    chosen ahead, not 0) to the file the raylet waits on, as the agent itself will."""
+    """Before each raylet starts, write its dashboard agent's listen port to the file the raylet
+    waits on, as the agent itself will: the port chosen ahead, or (given 0: "the agent chooses")
+    one free now, which the agent is then told."""
     import ray._private.node as node
     from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port
 
     real = node.Node.start_raylet
 
     def start_raylet(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - Ray's signature
-        port = self._ray_params.dashboard_agent_listen_port
-        if port:
-            persist_port(self._session_dir, self._node_id, DASHBOARD_AGENT_LISTEN_PORT_NAME, port)
+        params = self._ray_params  # read by start_raylet for the agent's command line
+        params.dashboard_agent_listen_port = params.dashboard_agent_listen_port or free_low_port()
+        if params.dashboard_agent_listen_port:
+            persist_port(self._session_dir, self._node_id, DASHBOARD_AGENT_LISTEN_PORT_NAME,
+                         params.dashboard_agent_listen_port)
         return real(self, *args, **kwargs)
 
     node.Node.start_raylet = start_raylet
 
 
-def choose_agent_port(argv: list[str]) -> list[str]:
-    """`--dashboard-agent-listen-port 0` with a port free now instead, below the kernel's ephemeral
-    range (where no outgoing connection takes it before the agent binds it)."""
-    if "--dashboard-agent-listen-port" not in argv:
-        return argv
-    i = argv.index("--dashboard-agent-listen-port") + 1
-    if i >= len(argv) or argv[i] != "0":
-        return argv
+def free_low_port() -> int:
+    """A port free now below the kernel's ephemeral range (where no outgoing connection takes it
+    before the agent binds it); 0 (the agent chooses, the raylet waits) when there is none."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             top = int(f.read().split()[0])
@@ -92,8 +90,8 @@ def choose_agent_port(argv: list[str]) -> list[str]:
                 s.bind(("", port))
             except OSError:
                 continue
-        return argv[:i] + [str(port)] + argv[i + 1:]
-    return argv  # nothing free there: the agent chooses (and the raylet waits for it, as Ray does)
+        return port
+    return 0
 
 
 if __name__ == "__main__":
@@ -101,5 +99,5 @@ if __name__ == "__main__":
     early_agent_port()
     from ray.scripts.scripts import main
 
-    sys.argv = ["ray", *choose_agent_port(sys.argv[1:])]
+    sys.argv = ["ray", *sys.argv[1:]]
     main()
