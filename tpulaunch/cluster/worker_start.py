@@ -99,5 +99,5 @@ if __name__ == "__main__":
     early_agent_port()
     from ray.scripts.scripts import main
 
-    sys.argv = ["ray", *sys.argv[1:]]
+    sys.argv[0] = "ray"
     main()
