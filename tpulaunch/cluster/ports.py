@@ -32,7 +32,11 @@ import stat
 import tempfile
 import time
 
-LOWEST = 10000  # below it: well-known and registered services
+# defined in worker_start, which runs on TPU VMs as its own source, without tpulaunch
+from tpulaunch.cluster.worker_start import LOWEST_PORT as LOWEST
+from tpulaunch.cluster.worker_start import ephemeral_low as _ephemeral_low
+from tpulaunch.cluster.worker_start import port_is_free as _is_free
+
 # Ports a host process binds at fixed numbers, never to hand out: torch_tpu's MASTER_PORT and its
 # compiled-collective handshake (plan/torch_tpu.py; its 8070+ and 8080+ are below LOWEST)
 _handed_out: set[int] = {29500, 36423}  # ports this process promised already (their owners may not have bound them yet)
@@ -86,23 +90,6 @@ def _unclaim(claims: str | None, port: int) -> None:
             os.unlink(os.path.join(claims, str(port)))
         except OSError:
             pass
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
 
 
 def free_ports(n: int) -> list[int]:

@@ -76,21 +76,35 @@ def early_agent_port() -> None:
     node.Node.start_raylet = start_raylet
 
 
-def free_low_port() -> int:
-    """A port free now below the kernel's ephemeral range (where no outgoing connection takes it
-    before the agent binds it); 0 (the agent chooses, the raylet waits) when there is none."""
+LOWEST_PORT = 10000  # below it: well-known and registered services
+
+
+def ephemeral_low() -> int:
+    """The bottom of the kernel's ephemeral port range (bind(0) and outgoing connections)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            top = int(f.read().split()[0])
+            return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
-        top = 32768
-    for port in random.sample(range(10000, top), min(200, max(0, top - 10000))):
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-        return port
+        return 32768
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_low_port() -> int:
+    """A port free now below the kernel's ephemeral range (where no outgoing connection takes it
+    before the agent binds it); 0 (the agent chooses, the raylet waits) when there is none.
+    (The launcher's own choices, claimed across processes, are `cluster/ports.py`'s.)"""
+    top = ephemeral_low()
+    for port in random.sample(range(LOWEST_PORT, top), min(200, max(0, top - LOWEST_PORT))):
+        if port_is_free(port):
+            return port
     return 0
 
 
