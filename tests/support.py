@@ -5,13 +5,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,19 +44,6 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
         [sys.executable, "-m", "tpulaunch", *args],
         env=env or cli_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd, input=input,
     )
-
-
-@contextlib.contextmanager
-def emulated_cluster(home: Path, *flags: str) -> Iterator[dict]:
-    """`tpulaunch cluster up SHARED FLAGS --json` under TPULAUNCH_HOME=home, `cluster down` after.
-
-    Yields {"env": env reaching it, "info": the `cluster up --json` document, "home": home}."""
-    env = cli_env(TPULAUNCH_HOME=str(home))
-    up = run_cli("cluster", "up", *SHARED, *flags, "--json", env=env, timeout=300)
-    assert up.returncode == 0, up.stderr
-    yield {"env": env, "info": json.loads(up.stdout), "home": home}
-    down = run_cli("cluster", "down", env=env, timeout=120)
-    assert down.returncode == 0, down.stderr
 
 
 def run_json(*args: str, **kw) -> dict:

@@ -11,8 +11,8 @@ import pytest
 # through the fake Cloud TPU API and gcloud (`cloud`, after the unit tier), and the rest.
 APART = {
     "test_cluster_remote.py", "test_elastic.py", "test_gcloud_config.py", "test_imports.py", "test_process_group.py",
-    "test_ray_train.py", "test_recreate.py", "test_run_discovered.py", "test_spare.py", "test_torch_tpu.py",
-    "test_torch_xla_mesh.py", "test_warm.py", "test_worker_programs.py",
+    "test_recreate.py", "test_run_discovered.py", "test_spare.py", "test_torch_tpu.py", "test_torch_xla_mesh.py",
+    "test_warm.py", "test_worker_programs.py",
 }
 CLOUD = {"test_cluster_remote.py", "test_gcloud_config.py", "test_recreate.py"}
 

@@ -1,11 +1,8 @@
 """Ray Train on an emulated slice: `TorchTrainer` / `JaxTrainer` with tpulaunch's backends.
 
 The planning from worker labels is tested as a pure function; the rest runs real Ray Train
-drivers (`eval "$(tpulaunch cluster env)"; python driver.py`) on an emulated v5p-16 cluster of the
-shared one's shape (2 hosts of 4 chips, ranks in whatever order Ray places them), brought up for this
-module alone: its four fits are a fifth of the suite's work, and on a cluster of its own they run
-beside the tests that share one (`apart`), not after them. No spares: Ray Train starts its own
-workers, never a host agent's process.
+drivers (`eval "$(tpulaunch cluster env)"; python driver.py`) on the shared emulated v5p-16
+cluster: 2 hosts of 4 chips, ranks in whatever order Ray places them.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, SHARED_HOSTS, emulated_cluster, run_cli
+from support import REPO, SHARED_HOSTS, run_cli
 
 
 # -- real Ray Train runs on the shared emulated cluster -------------------------------------------
@@ -128,13 +125,13 @@ RECIPE = [str(REPO / "recipes" / "ray_train_xla.py"), "--steps", "12", "--topolo
           "--accelerator-type", "TPU-V5P", "--workers", str(SHARED_HOSTS)]
 
 
-def _driver(cluster, tmp: Path, *runs: str) -> subprocess.CompletedProcess:
+def _driver(shared_cluster, tmp: Path, *runs: str) -> subprocess.CompletedProcess:
     """`eval "$(tpulaunch cluster env)"` then a plain `python driver.py`, as a user would."""
     (tmp / "driver.py").write_text(textwrap.dedent(DRIVER))
     cmd = f'eval "$({sys.executable} -m tpulaunch cluster env)" && exec {sys.executable} {tmp / "driver.py"} {tmp} {" ".join(runs)}'
     # Ray Train's own knob, as a deployment may set it (the driver hands it to the controller): the
     # controller looks at its workers every 0.5 s, not 2 s, so each run's end and failure is seen sooner
-    env = {**cluster["env"], "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    env = {**shared_cluster["env"], "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
            "RECIPE_ARGV": " ".join([*RECIPE, "--storage", str(tmp / "recipe-storage")])}
     return subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
 
@@ -144,31 +141,24 @@ def _records(tmp: Path, tag: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def train_cluster(tmp_path_factory):
-    # --dashboard: Ray Train's placement-group cleaner asks the state API the dashboard serves
-    with emulated_cluster(tmp_path_factory.mktemp("train-home"), "--dashboard", "--prewarm", "none") as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def train_runs(train_cluster, tmp_path_factory):
+def train_runs(shared_cluster, tmp_path_factory):
     """In one driver: a TorchTrainer run whose worker 1 fails once (its second attempt is the clean
     run the checks look at), a JaxTrainer run whose runtime sees another slice, a clean JaxTrainer
     run, then the recipe (`recipes/ray_train_xla.py`, run as `__main__` with its argv). Each places
     its workers anew (Ray's rank order changes)."""
     tmp = tmp_path_factory.mktemp("ray-train")
-    proc = _driver(train_cluster, tmp, "restart", "wrong-slice", "jax", "recipe")
+    proc = _driver(shared_cluster, tmp, "restart", "wrong-slice", "jax", "recipe")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"dir": tmp, "proc": proc}
 
 
 @pytest.mark.cluster
-def test_cluster_env_prints_what_a_driver_needs(train_cluster):
-    proc = run_cli("cluster", "env", env=train_cluster["env"])
+def test_cluster_env_prints_what_a_driver_needs(shared_cluster):
+    proc = run_cli("cluster", "env", env=shared_cluster["env"])
     assert proc.returncode == 0, proc.stderr
     lines = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.splitlines())
-    assert lines["RAY_ADDRESS"] == train_cluster["info"]["address"]
-    assert lines["RAY_AUTH_MODE"] == "token" and lines["RAY_AUTH_TOKEN_PATH"] == train_cluster["info"]["token_path"]
+    assert lines["RAY_ADDRESS"] == shared_cluster["info"]["address"]
+    assert lines["RAY_AUTH_MODE"] == "token" and lines["RAY_AUTH_TOKEN_PATH"] == shared_cluster["info"]["token_path"]
 
 
 @pytest.mark.cluster
