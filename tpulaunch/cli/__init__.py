@@ -17,7 +17,7 @@ from tpulaunch.errors import ExitCode, TpulaunchError
 app = typer.Typer(
     name="tpulaunch",
     help=(
-        "Launch SPMD training (torch_xla, JAX) on every host of a Cloud TPU slice, through Ray.\n\n"
+        "Launch SPMD training (torch_xla, JAX, TorchTPU) on every host of a Cloud TPU slice, through Ray.\n\n"
         "With no TPU in sight, slices are emulated on this machine (CPU devices, one Ray node per host)."
     ),
     no_args_is_help=True,
