@@ -46,6 +46,15 @@ SCRIPTS = {
             time.sleep(600)
         print("finished", flush=True)
     """,
+    "slow_to_stop.py": """
+        import os, signal, time, tpulaunch
+        def on_term(signum, frame):  # a checkpoint that takes longer than the grace it is given
+            print("saving on SIGTERM", flush=True)
+            time.sleep(60)
+        signal.signal(signal.SIGTERM, on_term)
+        print("ready", tpulaunch.context().process_index, "attempt", os.environ["TPULAUNCH_RESTART_COUNT"], flush=True)
+        time.sleep(600)
+    """,
     "hang.py": """
         import os, time, tpulaunch
 
@@ -346,15 +355,19 @@ def test_dead_address_fails_fast(workdir):
 
 @pytest.mark.cluster
 def test_launcher_sigterm_during_the_run(shared_cluster, workdir, tmp_path):
-    launch = _shared(shared_cluster, workdir, tmp_path, "sleepy.py", "--no-dist")
+    """The hosts get SIGTERM and their grace (this script outlasts it: SIGKILL), the launcher keeps
+    every log, writes the summary and exits 143. Ray, once connected, would abort the launcher
+    (SIGABRT) 3 s after its SIGTERM, before the grace was over (cluster/connect.py take_back_sigterm)."""
+    launch = _shared(shared_cluster, workdir, tmp_path, "slow_to_stop.py", "--no-dist")
     launch.wait_for(r"\] ready \d attempt 0", HOSTS)
     run_id = _run_id(tmp_path)
     t0 = time.monotonic()
     launch.proc.send_signal(signal.SIGTERM)
     rc, s = launch.finish()
-    assert rc == 143 and time.monotonic() - t0 < 20
+    assert rc == 143 and time.monotonic() - t0 < 20, "".join(launch.err)[-3000:]
     assert s["interrupted"] == "SIGTERM" and s["outcome"] == "interrupted"
     assert all(h["stopped_by_tpulaunch"] for h in s["hosts"])
+    assert all("saving on SIGTERM" in Path(h["log"]).read_text() for h in s["hosts"])
     _assert_logs(s, 1)
     _assert_nothing_left(run_id)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import socket
 import stat
 import sys
@@ -177,6 +178,26 @@ def connect(info: ClusterInfo, runtime_env: dict | None = None, timeout: float |
     if e is not None:
         first = str(e).splitlines()[0] if str(e) else ""
         raise ClusterError(f"cannot connect to Ray at {info.address}: {type(e).__name__}: {first}", _HINT) from e
+    take_back_sigterm()
+
+
+def take_back_sigterm() -> None:
+    """SIGTERM goes back to the handler Python has on record (ours while a run is supervised, else
+    the default), away from the one ray.init installs.
+
+    Ray's core worker handles SIGTERM with absl's failure signal handler: it logs "*** SIGTERM
+    received ***", calls the handler that was there before, and arms a 3 s alarm that aborts the
+    process (absl's `alarm_on_failure_secs`, which Ray leaves at its default). A launcher or a
+    detached run's supervisor that took longer than that to stop its hosts (a script saving its
+    checkpoint in its grace) died by SIGABRT, without its summary. Ray keeps its handler for the
+    signals of a crash (SIGSEGV, SIGABRT, ...). Only the main thread can set a handler: elsewhere
+    (the Python client called from a thread) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    ours = signal.getsignal(signal.SIGTERM)
+    if ours is not None:  # None: a handler not set from Python, which there is nothing to put back over
+        signal.signal(signal.SIGTERM, ours)
 
 
 class RaysStderr:
