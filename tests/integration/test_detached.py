@@ -110,8 +110,9 @@ def test_a_detached_run_is_listed_watched_logged_stopped_and_waited_for(shared_c
     stream = cli(shared_cluster, "logs", "last")
     assert "[host 0] tick" in stream.stdout and "[host 1] tick" in stream.stdout
     assert "EMULATED slice" in stream.stdout + stream.stderr
-    # stop from yet another process: the same stop a SIGTERM gives a foreground launcher (Ray, once
-    # connected, would abort the supervisor 3 s after its SIGTERM: cluster/connect.py take_back_sigterm)
+    # stop from yet another process: the same stop a SIGTERM gives a foreground launcher. The hosts
+    # outlast their grace: the supervisor must outlive Ray's 3 s abort alarm on SIGTERM, which it does
+    # by setting its handler after connecting, and connect itself takes SIGTERM back (take_back_sigterm)
     stop = cli(shared_cluster, "stop", run_id)
     assert stop.returncode == 0 and f"run {run_id} stopped" in stop.stdout, stop.stderr
     wait = cli(shared_cluster, "wait", run_id)
