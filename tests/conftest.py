@@ -23,14 +23,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import pytest
 
-from support import SHARED, cli_env, run_cli
+from support import SHARED, emulated_cluster
 
 
 @pytest.fixture(scope="session")
@@ -40,11 +39,6 @@ def shared_cluster(tmp_path_factory):
 
     Yields {"env": env reaching it (TPULAUNCH_HOME), "info": the `cluster up --json` document}.
     """
-    home = tmp_path_factory.mktemp("tpl-home")
-    env = cli_env(TPULAUNCH_HOME=str(home))
-    # --dashboard: Ray Train's placement-group cleaner asks the state API the dashboard serves
-    up = run_cli("cluster", "up", *SHARED, "--dashboard", "--json", env=env, timeout=300)
-    assert up.returncode == 0, up.stderr
-    yield {"env": env, "info": json.loads(up.stdout), "home": home}
-    down = run_cli("cluster", "down", env=env, timeout=120)
-    assert down.returncode == 0, down.stderr
+    # --dashboard: detached runs are Ray jobs, submitted to the job API the dashboard serves
+    with emulated_cluster(tmp_path_factory.mktemp("tpl-home"), *SHARED, "--dashboard") as cluster:
+        yield cluster

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -44,6 +45,20 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
         [sys.executable, "-m", "tpulaunch", *args],
         env=env or cli_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd, input=input,
     )
+
+
+@contextmanager
+def emulated_cluster(home: Path, *args: str):
+    """`tpulaunch cluster up ARGS --json` under TPULAUNCH_HOME=home, then `cluster down`.
+
+    Yields {"env": env reaching it, "info": the `cluster up --json` document, "home": home}.
+    """
+    env = cli_env(TPULAUNCH_HOME=str(home))
+    up = run_cli("cluster", "up", *args, "--json", env=env, timeout=300)
+    assert up.returncode == 0, up.stderr
+    yield {"env": env, "info": json.loads(up.stdout), "home": home}
+    down = run_cli("cluster", "down", env=env, timeout=120)
+    assert down.returncode == 0, down.stderr
 
 
 def run_json(*args: str, **kw) -> dict:

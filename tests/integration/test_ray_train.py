@@ -1,8 +1,11 @@
 """Ray Train on an emulated slice: `TorchTrainer` / `JaxTrainer` with tpulaunch's backends.
 
 The planning from worker labels is tested as a pure function; the rest runs real Ray Train
-drivers (`eval "$(tpulaunch cluster env)"; python driver.py`) on the shared emulated v5p-16
-cluster: 2 hosts of 4 chips, ranks in whatever order Ray places them.
+drivers (`eval "$(tpulaunch cluster env)"; python driver.py`) on an emulated v5p-16 of the module's
+own, shaped as the shared cluster (2 hosts of 4 chips), ranks in whatever order Ray places them. Its
+own, so that `./scripts/test` runs these fits (about an eighth of the suite's CPU) beside the tests on
+the shared cluster, not after them; Ray Train's placement-group cleaner asks the state API the
+dashboard serves, and no host needs a spare (Ray Train's workers are its own actors).
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, SHARED_HOSTS, run_cli
+from support import REPO, SHARED, SHARED_HOSTS, emulated_cluster, run_cli
 
 
-# -- real Ray Train runs on the shared emulated cluster -------------------------------------------
+pytestmark = pytest.mark.lifecycle
+
+
+# -- real Ray Train runs on an emulated cluster -----------------------------------------------------
 
 DRIVER = '''
 import json, os, sys
@@ -125,13 +131,13 @@ RECIPE = [str(REPO / "recipes" / "ray_train_xla.py"), "--steps", "12", "--topolo
           "--accelerator-type", "TPU-V5P", "--workers", str(SHARED_HOSTS)]
 
 
-def _driver(shared_cluster, tmp: Path, *runs: str) -> subprocess.CompletedProcess:
+def _driver(cluster, tmp: Path, *runs: str) -> subprocess.CompletedProcess:
     """`eval "$(tpulaunch cluster env)"` then a plain `python driver.py`, as a user would."""
     (tmp / "driver.py").write_text(textwrap.dedent(DRIVER))
     cmd = f'eval "$({sys.executable} -m tpulaunch cluster env)" && exec {sys.executable} {tmp / "driver.py"} {tmp} {" ".join(runs)}'
     # Ray Train's own knob, as a deployment may set it (the driver hands it to the controller): the
     # controller looks at its workers every 0.5 s, not 2 s, so each run's end and failure is seen sooner
-    env = {**shared_cluster["env"], "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    env = {**cluster["env"], "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
            "RECIPE_ARGV": " ".join([*RECIPE, "--storage", str(tmp / "recipe-storage")])}
     return subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
 
@@ -141,27 +147,31 @@ def _records(tmp: Path, tag: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def train_runs(shared_cluster, tmp_path_factory):
+def train_cluster(tmp_path_factory):
+    with emulated_cluster(tmp_path_factory.mktemp("tpl-home"), *SHARED, "--dashboard", "--prewarm", "none") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def train_runs(train_cluster, tmp_path_factory):
     """In one driver: a TorchTrainer run whose worker 1 fails once (its second attempt is the clean
     run the checks look at), a JaxTrainer run whose runtime sees another slice, a clean JaxTrainer
     run, then the recipe (`recipes/ray_train_xla.py`, run as `__main__` with its argv). Each places
     its workers anew (Ray's rank order changes)."""
     tmp = tmp_path_factory.mktemp("ray-train")
-    proc = _driver(shared_cluster, tmp, "restart", "wrong-slice", "jax", "recipe")
+    proc = _driver(train_cluster, tmp, "restart", "wrong-slice", "jax", "recipe")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"dir": tmp, "proc": proc}
 
 
-@pytest.mark.cluster
-def test_cluster_env_prints_what_a_driver_needs(shared_cluster):
-    proc = run_cli("cluster", "env", env=shared_cluster["env"])
+def test_cluster_env_prints_what_a_driver_needs(train_cluster):
+    proc = run_cli("cluster", "env", env=train_cluster["env"])
     assert proc.returncode == 0, proc.stderr
     lines = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.splitlines())
-    assert lines["RAY_ADDRESS"] == shared_cluster["info"]["address"]
-    assert lines["RAY_AUTH_MODE"] == "token" and lines["RAY_AUTH_TOKEN_PATH"] == shared_cluster["info"]["token_path"]
+    assert lines["RAY_ADDRESS"] == train_cluster["info"]["address"]
+    assert lines["RAY_AUTH_MODE"] == "token" and lines["RAY_AUTH_TOKEN_PATH"] == train_cluster["info"]["token_path"]
 
 
-@pytest.mark.cluster
 def test_torch_trainer_workers_are_their_tpu_hosts(train_runs):
     recs = _records(train_runs["dir"], "restart-1")
     assert json.loads((train_runs["dir"] / "outcome-restart.json").read_text()) == {"error": None}
@@ -178,7 +188,6 @@ def test_torch_trainer_workers_are_their_tpu_hosts(train_runs):
     assert any(f"process {r['process_index']} is Ray Train rank {r['rank']}" in out for r in recs), out[-3000:]
 
 
-@pytest.mark.cluster
 def test_failure_config_restarts_the_group_with_a_new_mesh(train_runs):
     assert json.loads((train_runs["dir"] / "outcome-restart.json").read_text()) == {"error": None}
     first, second = _records(train_runs["dir"], "restart-0"), _records(train_runs["dir"], "restart-1")
@@ -190,7 +199,6 @@ def test_failure_config_restarts_the_group_with_a_new_mesh(train_runs):
         assert r["process_index"] == r["tpu_worker_id"] and r["mesh"] == [[2, 4], ["data", "model"]]
 
 
-@pytest.mark.cluster
 def test_a_worker_that_sees_another_slice_fails_with_one_line(train_runs):
     """...and releases the slice: the JaxTrainer after it, in the same driver, gets it (Ray 2.60
     alone would keep it reserved and the next fit() would wait forever)."""
@@ -201,7 +209,6 @@ def test_a_worker_that_sees_another_slice_fails_with_one_line(train_runs):
     assert not _records(train_runs["dir"], "wrong-slice")  # no loop ran
 
 
-@pytest.mark.cluster
 def test_jax_trainer_gets_the_mesh_and_the_worker_ids(train_runs):
     assert json.loads((train_runs["dir"] / "outcome-jax.json").read_text()) == {"error": None}
     recs = _records(train_runs["dir"], "jax")
@@ -212,7 +219,6 @@ def test_jax_trainer_gets_the_mesh_and_the_worker_ids(train_runs):
         assert r["local"] == 4 and r["devices"] == 8
 
 
-@pytest.mark.cluster
 def test_the_recipe_trains_under_torch_trainer(train_runs):
     proc = train_runs["proc"]
     out = proc.stdout  # Ray Train 2.60 copies a worker's prints to stderr too
