@@ -12,8 +12,9 @@
   processes (run alone, the shared one used 1.3 cores of two: 643 CPU-s in 489 s), so the other two
   come off the wall time. The streams end together only if their work is even: with Ray Train's
   fits on the shared cluster the side streams ended 200-260 s before it, and it ran on alone (they
-  have a cluster of their own now, in the side stream of `apart` modules); the unit tier, waiting on slow fake servers more than computing (43 CPU-s in
-  71 s), is no longer in front of the `apart` modules. (pytest-xdist's `loadgroup` would do it in
+  have a cluster of their own now, in the side stream of `apart` modules). The unit tier, waiting
+  on slow fake servers more than computing (43 CPU-s in 71 s), is no longer in front of the
+  `apart` modules. (pytest-xdist's `loadgroup` would do it in
   one process, but its 3.8 cannot group on pytest 9.2, whose nodes keep their id elsewhere.)
 * Every process the suite starts compiles XLA programs for the CPU without LLVM's optimizations
   (`XLA_FLAGS=--xla_backend_optimization_level=0`, unless XLA_FLAGS is set already), as a user's
