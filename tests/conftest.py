@@ -2,20 +2,21 @@
 
 * Output is pinned (NO_COLOR, COLUMNS) so CLI assertions are exact (`support.py` sets them).
 * The emulated Ray cluster used by launch tests is started once per session (`shared_cluster`)
-  and shared; only lifecycle tests start their own.
+  and shared; a second one of its shape (`side_cluster`, no spares) serves the tests of it that a
+  side stream runs; only lifecycle tests start their own.
 * `tests/unit/` is the unit tier (`./scripts/test -m unit`), `tests/integration/` the rest.
 * `./scripts/test` (no arguments) runs three pytest processes side by side: the integration tests
   that share the emulated cluster (in order: some follow each other's state); the unit tier, then
-  the integration modules that share nothing and run VMs through the fake Cloud TPU API and gcloud
-  (`apart` and `cloud`); and the other modules that share nothing (`apart`: their own clusters;
-  `tests/integration/conftest.py` lists them). Each stream spends much of its time waiting on
-  processes (run alone, the shared one used 1.3 cores of two: 643 CPU-s in 489 s), so the other two
-  come off the wall time. The streams end together only if their work is even: with Ray Train's
-  fits on the shared cluster the side streams ended 200-260 s before it, and it ran on alone (they
-  have a cluster of their own now, in the side stream of `apart` modules). The unit tier, waiting
-  on slow fake servers more than computing (43 CPU-s in 71 s), is no longer in front of the
-  `apart` modules. (pytest-xdist's `loadgroup` would do it in
-  one process, but its 3.8 cannot group on pytest 9.2, whose nodes keep their id elsewhere.)
+  the integration modules in `WITH_UNIT` (`apart` and `with_unit`: those that run VMs through the
+  fake Cloud TPU API and gcloud, and two more); and the other modules that share nothing (`apart`:
+  their own clusters, or the side cluster, `side_cluster`; `tests/integration/conftest.py` lists
+  them). Each stream spends much of its time waiting on processes (run alone, the shared one used
+  1.3 cores of two: 643 CPU-s in 489 s), so the other two come off the wall time. The streams end
+  together only if their work is even: with Ray Train's fits on the shared cluster the side
+  streams ended 200-260 s before it, and it ran on alone; they, the per-host input checks, the
+  Python client's and goodput's tests run on the side cluster now, and the side streams' modules
+  are split so that both end with the shared one. (pytest-xdist's `loadgroup` would do it in one
+  process, but its 3.8 cannot group on pytest 9.2, whose nodes keep their id elsewhere.)
 * Every process the suite starts compiles XLA programs for the CPU without LLVM's optimizations
   (`XLA_FLAGS=--xla_backend_optimization_level=0`, unless XLA_FLAGS is set already), as a user's
   shell could. The suite's scripts run a few steps each, so compiling dominates their time: the
@@ -44,4 +45,18 @@ def shared_cluster(tmp_path_factory):
     """
     # --dashboard: detached runs are Ray jobs, submitted to the job API the dashboard serves
     with emulated_cluster(tmp_path_factory.mktemp("tpl-home"), *SHARED, "--dashboard") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def side_cluster(tmp_path_factory):
+    """A second emulated slice shaped as the shared one, with no spares, for the `apart` modules that
+    need a cluster of that shape but no warm host and nothing another test left (Ray Train's fits,
+    whose workers are Ray Train's own actors; per-host input; the Python client; goodput):
+    `./scripts/test` runs them in a side stream, beside the shared cluster's tests, so that the
+    streams' work is even. Its tests run last in their process (tests/integration/conftest.py), so
+    it is up only while they run.
+    """
+    # --dashboard: detached runs are Ray jobs; Ray Train's placement-group cleaner asks the state API
+    with emulated_cluster(tmp_path_factory.mktemp("tpl-side"), *SHARED, "--dashboard", "--prewarm", "none") as cluster:
         yield cluster

@@ -6,15 +6,18 @@ import pytest
 
 
 # Modules that use no shared cluster and no machine-wide state (each starts its own clusters or fake
-# clouds, under a TPULAUNCH_HOME and temp dirs of its own): `./scripts/test` runs them beside the
-# others (which share one emulated cluster), in two more pytest processes: those that run VMs
-# through the fake Cloud TPU API and gcloud (`cloud`, after the unit tier), and the rest.
+# clouds, under a TPULAUNCH_HOME and temp dirs of its own, or uses the side cluster): `./scripts/test`
+# runs them beside the others (which share one emulated cluster), in two more pytest processes: after
+# the unit tier, those in WITH_UNIT (the modules that run VMs through the fake Cloud TPU API and
+# gcloud, and two more, so that the streams' work is even), and the rest.
 APART = {
-    "test_cluster_remote.py", "test_elastic.py", "test_gcloud_config.py", "test_imports.py", "test_process_group.py",
+    "test_client.py", "test_cluster_remote.py", "test_elastic.py", "test_gcloud_config.py", "test_goodput.py",
+    "test_imports.py", "test_placement_input.py", "test_process_group.py", "test_ray_train.py",
     "test_recreate.py", "test_run_discovered.py", "test_spare.py", "test_torch_tpu.py", "test_torch_xla_mesh.py",
     "test_warm.py", "test_worker_programs.py",
 }
-CLOUD = {"test_cluster_remote.py", "test_gcloud_config.py", "test_recreate.py"}
+WITH_UNIT = {"test_cluster_remote.py", "test_gcloud_config.py", "test_process_group.py", "test_recreate.py",
+             "test_torch_tpu.py"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,9 +28,10 @@ def pytest_collection_modifyitems(config, items):
             own = item.get_closest_marker("lifecycle") is not None and "shared_cluster" not in item.fixturenames
             if item.fspath.basename in APART or own:
                 item.add_marker(pytest.mark.apart)
-            if item.fspath.basename in CLOUD:
-                item.add_marker(pytest.mark.cloud)
-    # A host whose agent or node a test replaces has a new agent, and a new agent has no spares: the
-    # tests after it would start their hosts cold. They run last (pytest keeps the order otherwise).
-    items[:] = ([i for i in items if i.get_closest_marker("replaces_agents") is None]
-                + [i for i in items if i.get_closest_marker("replaces_agents") is not None])
+            if item.fspath.basename in WITH_UNIT:
+                item.add_marker(pytest.mark.with_unit)
+    # The side cluster's tests run last in their process, together (the session's cluster is up only
+    # while they run). A host whose agent or node a test replaces has a new agent, and a new agent has
+    # no spares: the tests after it would start their hosts cold. They run last of all. (A stable
+    # sort: pytest's order otherwise.)
+    items.sort(key=lambda i: ("side_cluster" in i.fixturenames, i.get_closest_marker("replaces_agents") is not None))

@@ -1,6 +1,7 @@
 """The control plane from outside: a detached run's secret is seen nowhere but in its hosts, and the
-Python client (`tpulaunch.Client`, `tpulaunch.launch`) drives runs on the shared emulated slice as a
-notebook would (submit, status, follow logs, wait, stop, list), from a process of its own.
+Python client (`tpulaunch.Client`, `tpulaunch.launch`) drives runs on an emulated slice (conftest.py
+`side_cluster`) as a notebook would (submit, status, follow logs, wait, stop, list), from a process
+of its own.
 """
 
 from __future__ import annotations
@@ -68,44 +69,44 @@ def work(tmp_path_factory) -> Path:
     return write_scripts(tmp_path_factory.mktemp("client"), SCRIPTS)
 
 
-def _api(shared_cluster) -> JobApi:
-    info = shared_cluster["info"]
+def _api(side_cluster) -> JobApi:
+    info = side_cluster["info"]
     return JobApi("http://" + info["dashboard"] if "://" not in info["dashboard"] else info["dashboard"],
                   Path(info["token_path"]).read_text().strip())
 
 
 @pytest.mark.cluster
-def test_a_detached_runs_env_values_reach_its_hosts_and_nothing_else(shared_cluster, work):
+def test_a_detached_runs_env_values_reach_its_hosts_and_nothing_else(side_cluster, work):
     secret = "tlsecret-" + secrets.token_hex(12)
     digest = hashlib.sha256(secret.encode()).hexdigest()
     sub = run_cli("run", "probe.py", *SHARED, "--address", "auto", "--framework", "none", "--detach",
-                  "--env", f"TL_PROBE_SECRET={secret}", "--", "600", cwd=work, env=shared_cluster["env"])
+                  "--env", f"TL_PROBE_SECRET={secret}", "--", "600", cwd=work, env=side_cluster["env"])
     assert sub.returncode == 0, sub.stderr
     run_id = sub.stdout.strip().splitlines()[-1]
     assert secret not in sub.stdout + sub.stderr
-    api = _api(shared_cluster)
+    api = _api(side_cluster)
     seen: dict[str, str] = {}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # while it runs: every process's command line
-        status = status_doc(shared_cluster["env"], run_id)
+        status = status_doc(side_cluster["env"], run_id)
         if status["state"] == "running" and any(h["step"] for h in status["hosts"]):
             break
         time.sleep(0.5)
     seen["ps"] = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     seen["job list"] = api._request("GET", "/api/jobs/").decode()
     seen["job info"] = api._request("GET", f"/api/jobs/{run_id}").decode()
-    seen["runs --json"] = run_cli("runs", "--json", env=shared_cluster["env"]).stdout
-    seen["status --json"] = run_cli("status", run_id, "--json", env=shared_cluster["env"]).stdout
-    seen["logs"] = run_cli("logs", run_id, env=shared_cluster["env"]).stdout
+    seen["runs --json"] = run_cli("runs", "--json", env=side_cluster["env"]).stdout
+    seen["status --json"] = run_cli("status", run_id, "--json", env=side_cluster["env"]).stdout
+    seen["logs"] = run_cli("logs", run_id, env=side_cluster["env"]).stdout
     assert "step" in seen["logs"] and f"sha256 {digest}" in seen["logs"]  # the hosts got it
     job = api.info(run_id)
     assert job is not None and job.status == "RUNNING" and "supervise --request" in job.entrypoint
     # the request was read once and is gone from the cluster's store
     with pytest.raises(Exception, match="404"):
         api._request("GET", "/api/packages/gcs/" + detached.request_uri(run_id).removeprefix("gcs://"))
-    stop = run_cli("stop", run_id, env=shared_cluster["env"], timeout=200)  # its files are written as it ends
+    stop = run_cli("stop", run_id, env=side_cluster["env"], timeout=200)  # its files are written as it ends
     assert stop.returncode == 0, stop.stderr
-    temp = Path(shared_cluster["info"]["token_path"]).parent  # the head is this machine: the run's files
+    temp = Path(side_cluster["info"]["token_path"]).parent  # the head is this machine: the run's files
     status_file = Path(ray_temp_dir(str(temp))) / "session_latest" / "logs" / detached.RUNS_SUBDIR / run_id / "status.json"
     seen["status.json"] = status_file.read_text()
     seen["summary.json"] = (status_file.parent / "summary.json").read_text()
@@ -115,8 +116,8 @@ def test_a_detached_runs_env_values_reach_its_hosts_and_nothing_else(shared_clus
 
 
 @pytest.mark.cluster
-def test_the_python_client_drives_runs_as_a_notebook_would(shared_cluster, work, tmp_path):
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CLIENT)], cwd=work, env=shared_cluster["env"],
+def test_the_python_client_drives_runs_as_a_notebook_would(side_cluster, work, tmp_path):
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CLIENT)], cwd=work, env=side_cluster["env"],
                           capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("CLIENT "))

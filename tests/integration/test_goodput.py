@@ -1,8 +1,8 @@
-"""Goodput of a real run on the shared emulated slice: a script that saves every 20 steps, fails once at
-step 50 (host 0, the host goodput reads: had every host exited there, the launcher could stop host
-0 between the step's collective and its heartbeat, seen under load) and resumes from step 40
-(`--max-restarts 1`); in the foreground and detached. The script
-uses only `tpulaunch.heartbeat` (no framework is booted: what is measured is the launcher's clock).
+"""Goodput of a real run on the side emulated slice (conftest.py `side_cluster`): a script that saves
+every 20 steps, fails once at step 50 (host 0, the host goodput reads: had every host exited there,
+the launcher could stop host 0 between the step's collective and its heartbeat, seen under load) and
+resumes from step 40 (`--max-restarts 1`); in the foreground and detached. The script uses only
+`tpulaunch.heartbeat` (no framework is booted: what is measured is the launcher's clock).
 Its hosts step in lockstep, as SPMD hosts do (a file barrier stands for the step's collective):
 goodput reads one host's steps for the run's, which holds only if no host runs ahead."""
 
@@ -82,8 +82,8 @@ def _check(doc: dict) -> None:
 
 
 @pytest.mark.cluster
-def test_goodput_of_a_run_that_fails_once_and_resumes(shared_cluster, work, tmp_path):
-    env = shared_cluster["env"]
+def test_goodput_of_a_run_that_fails_once_and_resumes(side_cluster, work, tmp_path):
+    env = side_cluster["env"]
     proc = run_cli("run", "train.py", *SHARED, "--address", "auto", "--framework", "none",
                    "--max-restarts", "1", "--env", f"CKPT={tmp_path / 'ck.json'}", "--log-dir", str(tmp_path / "runs"),
                    cwd=work, env=env, timeout=300)
@@ -102,8 +102,8 @@ def test_goodput_of_a_run_that_fails_once_and_resumes(shared_cluster, work, tmp_
 
 
 @pytest.mark.cluster
-def test_goodput_of_a_detached_run(shared_cluster, work, tmp_path):
-    env = shared_cluster["env"]
+def test_goodput_of_a_detached_run(side_cluster, work, tmp_path):
+    env = side_cluster["env"]
     sub = run_cli("run", "train.py", *SHARED, "--address", "auto", "--framework", "none", "--detach",
                   "--max-restarts", "1", "--env", f"CKPT={tmp_path / 'ck.json'}", cwd=work, env=env)
     assert sub.returncode == 0, sub.stderr

@@ -1,9 +1,10 @@
 """Per-host input on a mesh whose layout is not host-contiguous (placement `auto`).
 
-On the shared v5p 2x2x2 with `--mesh data=4,model=2`, `auto` lays the mesh so that every row of
-`data` is one host's two devices, but a host's rows are no longer one contiguous block of the mesh
-(host 0 holds rows 0 and 3; the old rule scored 2.5 hops per `data` ring step, this one 1.0). Each host loads its own share with the
-idioms of the frameworks' docs, and must find exactly that share on its own devices:
+On a v5p 2x2x2 shaped as the shared one (conftest.py `side_cluster`) with `--mesh data=4,model=2`,
+`auto` lays the mesh so that every row of `data` is one host's two devices, but a host's rows are no
+longer one contiguous block of the mesh (host 0 holds rows 0 and 3; the old rule scored 2.5 hops per
+`data` ring step, this one 1.0). Each host loads its own share with the idioms of the frameworks'
+docs, and must find exactly that share on its own devices:
 
 * torch_xla: `DistributedSampler(num_replicas=process_count, rank=process_index)` with
   `MpDeviceLoader(..., input_sharding=ShardingSpec(mesh, ("data", None), minibatch=True))`;
@@ -75,7 +76,7 @@ def _rows(proc) -> dict[int, dict]:
     return found
 
 
-def _run(shared_cluster, workdir, tmp_path, script, framework):
+def _run(side_cluster, workdir, tmp_path, script, framework):
     dry = run_cli("mesh", "inspect", *SHARED, *MESH, "--json")
     plan = json.loads(dry.stdout)
     old = json.loads(run_cli("mesh", "inspect", *SHARED, *MESH, "--placement", "host", "--json").stdout)
@@ -83,7 +84,7 @@ def _run(shared_cluster, workdir, tmp_path, script, framework):
     firsts = [row[0] // 4 for row in plan["grid"]]  # the host of each row of `data`
     assert firsts != sorted(firsts), plan["grid"]  # ... and a host's rows are not one block
     proc = run_cli("run", script, *SHARED, *MESH, "--address", "auto",
-                   "--framework", framework, "--log-dir", str(tmp_path), cwd=workdir, env=shared_cluster["env"],
+                   "--framework", framework, "--log-dir", str(tmp_path), cwd=workdir, env=side_cluster["env"],
                    timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     return plan, _rows(proc)
@@ -95,8 +96,8 @@ def _whole_global_batch(got: dict) -> None:
 
 
 @pytest.mark.cluster
-def test_torch_xla_minibatch_rows_land_on_their_hosts_devices(shared_cluster, workdir, tmp_path):
-    plan, rows = _run(shared_cluster, workdir, tmp_path, "torch_rows.py", "torch_xla")
+def test_torch_xla_minibatch_rows_land_on_their_hosts_devices(side_cluster, workdir, tmp_path):
+    plan, rows = _run(side_cluster, workdir, tmp_path, "torch_rows.py", "torch_xla")
     for host, got in rows.items():
         _whole_global_batch(got)
         assert sum(plan["grid"], []) == got["grid"]  # the script's mesh is the plan's
@@ -107,8 +108,8 @@ def test_torch_xla_minibatch_rows_land_on_their_hosts_devices(shared_cluster, wo
 
 
 @pytest.mark.cluster
-def test_jax_process_local_rows_land_on_their_hosts_devices(shared_cluster, workdir, tmp_path):
-    plan, rows = _run(shared_cluster, workdir, tmp_path, "jax_rows.py", "jax")
+def test_jax_process_local_rows_land_on_their_hosts_devices(side_cluster, workdir, tmp_path):
+    plan, rows = _run(side_cluster, workdir, tmp_path, "jax_rows.py", "jax")
     for host, got in rows.items():
         _whole_global_batch(got)
         assert len(got["shards"]) == 4  # this host's own devices

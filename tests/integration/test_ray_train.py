@@ -1,11 +1,10 @@
 """Ray Train on an emulated slice: `TorchTrainer` / `JaxTrainer` with tpulaunch's backends.
 
 The planning from worker labels is tested as a pure function; the rest runs real Ray Train
-drivers (`eval "$(tpulaunch cluster env)"; python driver.py`) on an emulated v5p-16 of the module's
-own, shaped as the shared cluster (2 hosts of 4 chips), ranks in whatever order Ray places them. Its
-own, so that `./scripts/test` runs these fits (about an eighth of the suite's CPU) beside the tests on
-the shared cluster, not after them; Ray Train's placement-group cleaner asks the state API the
-dashboard serves, and no host needs a spare (Ray Train's workers are its own actors).
+drivers (`eval "$(tpulaunch cluster env)"; python driver.py`) on the side cluster (conftest.py
+`side_cluster`: shaped as the shared one, 2 hosts of 4 chips, no spares), ranks in whatever order
+Ray places them, so that `./scripts/test` runs these fits (about an eighth of the suite's CPU) beside
+the tests on the shared cluster, not after them.
 """
 
 from __future__ import annotations
@@ -19,10 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, SHARED, SHARED_HOSTS, emulated_cluster, run_cli
-
-
-pytestmark = pytest.mark.lifecycle
+from support import REPO, SHARED_HOSTS, run_cli
 
 
 # -- real Ray Train runs on an emulated cluster -----------------------------------------------------
@@ -147,29 +143,23 @@ def _records(tmp: Path, tag: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def train_cluster(tmp_path_factory):
-    with emulated_cluster(tmp_path_factory.mktemp("tpl-home"), *SHARED, "--dashboard", "--prewarm", "none") as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def train_runs(train_cluster, tmp_path_factory):
+def train_runs(side_cluster, tmp_path_factory):
     """In one driver: a TorchTrainer run whose worker 1 fails once (its second attempt is the clean
     run the checks look at), a JaxTrainer run whose runtime sees another slice, a clean JaxTrainer
     run, then the recipe (`recipes/ray_train_xla.py`, run as `__main__` with its argv). Each places
     its workers anew (Ray's rank order changes)."""
     tmp = tmp_path_factory.mktemp("ray-train")
-    proc = _driver(train_cluster, tmp, "restart", "wrong-slice", "jax", "recipe")
+    proc = _driver(side_cluster, tmp, "restart", "wrong-slice", "jax", "recipe")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"dir": tmp, "proc": proc}
 
 
-def test_cluster_env_prints_what_a_driver_needs(train_cluster):
-    proc = run_cli("cluster", "env", env=train_cluster["env"])
+def test_cluster_env_prints_what_a_driver_needs(side_cluster):
+    proc = run_cli("cluster", "env", env=side_cluster["env"])
     assert proc.returncode == 0, proc.stderr
     lines = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.splitlines())
-    assert lines["RAY_ADDRESS"] == train_cluster["info"]["address"]
-    assert lines["RAY_AUTH_MODE"] == "token" and lines["RAY_AUTH_TOKEN_PATH"] == train_cluster["info"]["token_path"]
+    assert lines["RAY_ADDRESS"] == side_cluster["info"]["address"]
+    assert lines["RAY_AUTH_MODE"] == "token" and lines["RAY_AUTH_TOKEN_PATH"] == side_cluster["info"]["token_path"]
 
 
 def test_torch_trainer_workers_are_their_tpu_hosts(train_runs):
