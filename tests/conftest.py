@@ -57,6 +57,6 @@ def side_cluster(tmp_path_factory):
     streams' work is even. Its tests run last in their process (tests/integration/conftest.py), so
     it is up only while they run.
     """
-    # --dashboard: detached runs are Ray jobs; Ray Train's placement-group cleaner asks the state API
+    # --dashboard: detached runs are Ray jobs, and Ray Train's placement-group cleaner asks its state API
     with emulated_cluster(tmp_path_factory.mktemp("tpl-side"), *SHARED, "--dashboard", "--prewarm", "none") as cluster:
         yield cluster

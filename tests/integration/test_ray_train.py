@@ -154,6 +154,7 @@ def train_runs(side_cluster, tmp_path_factory):
     return {"dir": tmp, "proc": proc}
 
 
+@pytest.mark.cluster
 def test_cluster_env_prints_what_a_driver_needs(side_cluster):
     proc = run_cli("cluster", "env", env=side_cluster["env"])
     assert proc.returncode == 0, proc.stderr
@@ -162,6 +163,7 @@ def test_cluster_env_prints_what_a_driver_needs(side_cluster):
     assert lines["RAY_AUTH_MODE"] == "token" and lines["RAY_AUTH_TOKEN_PATH"] == side_cluster["info"]["token_path"]
 
 
+@pytest.mark.cluster
 def test_torch_trainer_workers_are_their_tpu_hosts(train_runs):
     recs = _records(train_runs["dir"], "restart-1")
     assert json.loads((train_runs["dir"] / "outcome-restart.json").read_text()) == {"error": None}
@@ -178,6 +180,7 @@ def test_torch_trainer_workers_are_their_tpu_hosts(train_runs):
     assert any(f"process {r['process_index']} is Ray Train rank {r['rank']}" in out for r in recs), out[-3000:]
 
 
+@pytest.mark.cluster
 def test_failure_config_restarts_the_group_with_a_new_mesh(train_runs):
     assert json.loads((train_runs["dir"] / "outcome-restart.json").read_text()) == {"error": None}
     first, second = _records(train_runs["dir"], "restart-0"), _records(train_runs["dir"], "restart-1")
@@ -189,6 +192,7 @@ def test_failure_config_restarts_the_group_with_a_new_mesh(train_runs):
         assert r["process_index"] == r["tpu_worker_id"] and r["mesh"] == [[2, 4], ["data", "model"]]
 
 
+@pytest.mark.cluster
 def test_a_worker_that_sees_another_slice_fails_with_one_line(train_runs):
     """...and releases the slice: the JaxTrainer after it, in the same driver, gets it (Ray 2.60
     alone would keep it reserved and the next fit() would wait forever)."""
@@ -199,6 +203,7 @@ def test_a_worker_that_sees_another_slice_fails_with_one_line(train_runs):
     assert not _records(train_runs["dir"], "wrong-slice")  # no loop ran
 
 
+@pytest.mark.cluster
 def test_jax_trainer_gets_the_mesh_and_the_worker_ids(train_runs):
     assert json.loads((train_runs["dir"] / "outcome-jax.json").read_text()) == {"error": None}
     recs = _records(train_runs["dir"], "jax")
@@ -209,6 +214,7 @@ def test_jax_trainer_gets_the_mesh_and_the_worker_ids(train_runs):
         assert r["local"] == 4 and r["devices"] == 8
 
 
+@pytest.mark.cluster
 def test_the_recipe_trains_under_torch_trainer(train_runs):
     proc = train_runs["proc"]
     out = proc.stdout  # Ray Train 2.60 copies a worker's prints to stderr too
