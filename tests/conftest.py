@@ -8,7 +8,7 @@
 * `./scripts/test` (no arguments) runs three pytest processes side by side: the integration tests
   that share the emulated cluster (in order: some follow each other's state); the unit tier, then
   the integration modules in `WITH_UNIT` (`apart` and `with_unit`: those that run VMs through the
-  fake Cloud TPU API and gcloud, and two more); and the other modules that share nothing (`apart`:
+  fake Cloud TPU API and gcloud, and one more); and the other modules that share nothing (`apart`:
   their own clusters, or the side cluster, `side_cluster`; `tests/integration/conftest.py` lists
   them). Each stream spends much of its time waiting on processes (run alone, the shared one used
   1.3 cores of two: 643 CPU-s in 489 s), so the other two come off the wall time. The streams end

@@ -9,15 +9,14 @@ import pytest
 # clouds, under a TPULAUNCH_HOME and temp dirs of its own, or uses the side cluster): `./scripts/test`
 # runs them beside the others (which share one emulated cluster), in two more pytest processes: after
 # the unit tier, those in WITH_UNIT (the modules that run VMs through the fake Cloud TPU API and
-# gcloud, and two more, so that the streams' work is even), and the rest.
+# gcloud, and one more, so that the streams' work is even), and the rest.
 APART = {
     "test_client.py", "test_cluster_remote.py", "test_elastic.py", "test_gcloud_config.py", "test_goodput.py",
     "test_imports.py", "test_placement_input.py", "test_process_group.py", "test_ray_train.py",
     "test_recreate.py", "test_run_discovered.py", "test_spare.py", "test_torch_tpu.py", "test_torch_xla_mesh.py",
     "test_warm.py", "test_worker_programs.py",
 }
-WITH_UNIT = {"test_cluster_remote.py", "test_gcloud_config.py", "test_process_group.py", "test_recreate.py",
-             "test_torch_tpu.py"}
+WITH_UNIT = {"test_cluster_remote.py", "test_gcloud_config.py", "test_recreate.py", "test_torch_tpu.py"}
 
 
 def pytest_collection_modifyitems(config, items):
