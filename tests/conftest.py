@@ -2,21 +2,17 @@
 
 * Output is pinned (NO_COLOR, COLUMNS) so CLI assertions are exact (`support.py` sets them).
 * The emulated Ray cluster used by launch tests is started once per session (`shared_cluster`)
-  and shared; a second one of its shape (`side_cluster`, no spares) serves the tests of it that a
-  side stream runs; only lifecycle tests start their own.
+  and shared; a second one of its shape (`side_cluster`, no spares) serves some of its tests
+  beside it; only lifecycle tests start their own.
 * `tests/unit/` is the unit tier (`./scripts/test -m unit`), `tests/integration/` the rest.
-* `./scripts/test` (no arguments) runs three pytest processes side by side: the integration tests
-  that share the emulated cluster (in order: some follow each other's state); the unit tier, then
-  the integration modules in `WITH_UNIT` (`apart` and `with_unit`: those that run VMs through the
-  fake Cloud TPU API and gcloud, and one more); and the other modules that share nothing (`apart`:
-  their own clusters, or the side cluster, `side_cluster`; `tests/integration/conftest.py` lists
-  them). Each stream spends much of its time waiting on processes (run alone, the shared one used
-  1.3 cores of two: 643 CPU-s in 489 s), so the other two come off the wall time. The streams end
-  together only if their work is even: with Ray Train's fits on the shared cluster the side
-  streams ended 200-260 s before it, and it ran on alone; they, the per-host input checks, the
-  Python client's and goodput's tests run on the side cluster now, and the side streams' modules
-  are split so that both end with the shared one. (pytest-xdist's `loadgroup` would do it in one
-  process, but its 3.8 cannot group on pytest 9.2, whose nodes keep their id elsewhere.)
+* `./scripts/test` (no arguments) runs three pytest processes side by side, which take the suite's
+  units (the shared cluster's tests, the side cluster's, each other module) from one queue, largest
+  first (`streams.py`). Each process spends much of its time waiting on processes (run alone, the
+  shared cluster's tests used 1.3 cores of two: 643 CPU-s in 489 s), so the other two come off the
+  wall time. The side cluster takes Ray Train's fits, the per-host input checks, the detached
+  runs', the Python client's and goodput's tests off the shared one, whose unit would otherwise
+  take longer than half the suite. (pytest-xdist's `loadgroup` would do it, but its 3.8 cannot group on
+  pytest 9.2, whose nodes keep their id elsewhere.)
 * Every process the suite starts compiles XLA programs for the CPU without LLVM's optimizations
   (`XLA_FLAGS=--xla_backend_optimization_level=0`, unless XLA_FLAGS is set already), as a user's
   shell could. The suite's scripts run a few steps each, so compiling dominates their time: the
@@ -33,6 +29,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import pytest
 
+from streams import pytest_runtestloop, pytest_terminal_summary  # noqa: F401 (hooks: `./scripts/test`'s queue)
 from support import SHARED, emulated_cluster
 
 
@@ -43,19 +40,17 @@ def shared_cluster(tmp_path_factory):
 
     Yields {"env": env reaching it (TPULAUNCH_HOME), "info": the `cluster up --json` document}.
     """
-    # --dashboard: detached runs are Ray jobs, submitted to the job API the dashboard serves
-    with emulated_cluster(tmp_path_factory.mktemp("tpl-home"), *SHARED, "--dashboard") as cluster:
+    # no dashboard: its tests start no detached run (Ray jobs, which the side cluster's tests start)
+    with emulated_cluster(tmp_path_factory.mktemp("tpl-home"), *SHARED) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="session")
 def side_cluster(tmp_path_factory):
-    """A second emulated slice shaped as the shared one, with no spares, for the `apart` modules that
-    need a cluster of that shape but no warm host and nothing another test left (Ray Train's fits,
-    whose workers are Ray Train's own actors; per-host input; the Python client; goodput):
-    `./scripts/test` runs them in a side stream, beside the shared cluster's tests, so that the
-    streams' work is even. Its tests run last in their process (tests/integration/conftest.py), so
-    it is up only while they run.
+    """A second emulated slice shaped as the shared one, with no spares, for the modules that need a
+    cluster of that shape but no warm host and nothing another test left (Ray Train's fits, whose
+    workers are Ray Train's own actors; per-host input; the Python client; goodput; detached runs):
+    a unit of their own in `./scripts/test`'s queue, beside the shared cluster's tests (`streams.py`).
     """
     # --dashboard: detached runs are Ray jobs, and Ray Train's placement-group cleaner asks its state API
     with emulated_cluster(tmp_path_factory.mktemp("tpl-side"), *SHARED, "--dashboard", "--prewarm", "none") as cluster:

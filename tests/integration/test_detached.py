@@ -1,5 +1,6 @@
-"""Detached runs on the shared emulated slice: the supervision as a Ray job on the head, read back with
-`runs`, `status`, `logs`, `stop`, `wait` from other processes, as a user in another terminal would.
+"""Detached runs on the side cluster (conftest.py `side_cluster`, an emulated slice shaped as the
+shared one): the supervision as a Ray job on the head, read back with `runs`, `status`, `logs`,
+`stop`, `wait` from other processes, as a user in another terminal would.
 
 The scripts boot no framework (`--framework none`): what is under test is where the supervision
 lives and what the commands show; the supervision itself is the one test_faults.py covers.
@@ -57,13 +58,13 @@ def work(tmp_path_factory) -> Path:
     return write_scripts(tmp_path_factory.mktemp("detached"), SCRIPTS)
 
 
-def cli(shared_cluster, *args, env=None, **kw):
-    return run_cli(*args, env=env or shared_cluster["env"], **kw)
+def cli(side_cluster, *args, env=None, **kw):
+    return run_cli(*args, env=env or side_cluster["env"], **kw)
 
 
-def _run_dir(shared_cluster, run_id: str) -> Path:
+def _run_dir(side_cluster, run_id: str) -> Path:
     """On an emulated cluster the head is this machine: the run's files, where Ray's log API serves them."""
-    temp = Path(shared_cluster["info"]["token_path"]).parent
+    temp = Path(side_cluster["info"]["token_path"]).parent
     return Path(ray_temp_dir(str(temp))) / "session_latest" / "logs" / "tpulaunch" / "runs" / run_id
 
 
@@ -77,9 +78,9 @@ def _until(cond, timeout: float = 120, every: float = 0.5):
     raise AssertionError("timed out waiting")
 
 
-def _detach(shared_cluster, work, script, *flags):
+def _detach(side_cluster, work, script, *flags):
     t0 = time.monotonic()
-    proc = cli(shared_cluster, "run", script, *SHARED, "--address", "auto", "--framework", "none",
+    proc = cli(side_cluster, "run", script, *SHARED, "--address", "auto", "--framework", "none",
                "--detach", *flags, cwd=work)
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr
@@ -90,72 +91,72 @@ def _detach(shared_cluster, work, script, *flags):
 
 
 @pytest.mark.cluster
-def test_a_detached_run_is_listed_watched_logged_stopped_and_waited_for(shared_cluster, work):
-    run_id, took = _detach(shared_cluster, work, "tick.py")
+def test_a_detached_run_is_listed_watched_logged_stopped_and_waited_for(side_cluster, work):
+    run_id, took = _detach(side_cluster, work, "tick.py")
     assert took < 15, "the submitting process returns within seconds"
     # another process: the run, its hosts running, host 1's own log
-    runs = json.loads(cli(shared_cluster, "runs", "--json").stdout)["runs"]
+    runs = json.loads(cli(side_cluster, "runs", "--json").stdout)["runs"]
     assert run_id in [r["run_id"] for r in runs] and next(r for r in runs if r["run_id"] == run_id)["script"] == "tick.py"
 
     def running():
-        doc = status_doc(shared_cluster["env"], run_id)
+        doc = status_doc(side_cluster["env"], run_id)
         ok = doc["state"] == "running" and [h["state"] for h in doc["hosts"]] == ["running"] * SHARED_HOSTS
         return doc if ok and all((h["last_line"] or "").startswith("tick") for h in doc["hosts"]) else None
 
     doc = _until(running)
     assert [(h["process_index"], h["slice_index"], h["worker_id"]) for h in doc["hosts"]] == [(i, 0, i) for i in range(SHARED_HOSTS)]
     assert all(h["since_last_s"] is not None and h["since_last_s"] < 30 for h in doc["hosts"])
-    log1 = cli(shared_cluster, "logs", run_id, "--host", "1")
+    log1 = cli(side_cluster, "logs", run_id, "--host", "1")
     assert log1.returncode == 0 and re.search(r"^tick \d+ host 1$", log1.stdout, re.M), log1.stderr
-    stream = cli(shared_cluster, "logs", "last")
+    stream = cli(side_cluster, "logs", "last")
     assert "[host 0] tick" in stream.stdout and "[host 1] tick" in stream.stdout
     assert "EMULATED slice" in stream.stdout + stream.stderr
     # stop from yet another process: the same stop a SIGTERM gives a foreground launcher. The hosts
     # outlast their grace: the supervisor must outlive Ray's 3 s abort alarm on SIGTERM, which it does
     # by setting its handler after connecting, and connect itself takes SIGTERM back (take_back_sigterm)
-    stop = cli(shared_cluster, "stop", run_id)
+    stop = cli(side_cluster, "stop", run_id)
     assert stop.returncode == 0 and f"run {run_id} stopped" in stop.stdout, stop.stderr
-    wait = cli(shared_cluster, "wait", run_id)
+    wait = cli(side_cluster, "wait", run_id)
     assert wait.returncode == ExitCode.TERMINATED == 143, wait.stderr
-    summary = json.loads((_run_dir(shared_cluster, run_id) / "summary.json").read_text())
+    summary = json.loads((_run_dir(side_cluster, run_id) / "summary.json").read_text())
     assert summary["exit_code"] == 143 and summary["interrupted"] == "SIGTERM"
     assert all(h["stopped_by_tpulaunch"] for h in summary["hosts"])
     for h in summary["hosts"]:  # the hosts had SIGTERM and their grace, the supervisor outlived it
         assert Path(h["log"]).is_file() and "tick" in (text := Path(h["log"]).read_text()) and "saving on SIGTERM" in text
-    final = json.loads(cli(shared_cluster, "status", run_id, "--json").stdout)
+    final = json.loads(cli(side_cluster, "status", run_id, "--json").stdout)
     assert final["state"] == "stopped" and final["exit_code"] == 143
 
 
 @pytest.mark.cluster
-def test_a_detached_run_whose_host_fails_waits_with_that_code_and_names_the_host(shared_cluster, work):
-    run_id, _ = _detach(shared_cluster, work, "crash1.py")
-    wait = cli(shared_cluster, "wait", run_id, "--json")
+def test_a_detached_run_whose_host_fails_waits_with_that_code_and_names_the_host(side_cluster, work):
+    run_id, _ = _detach(side_cluster, work, "crash1.py")
+    wait = cli(side_cluster, "wait", run_id, "--json")
     assert wait.returncode == 3, wait.stderr
     doc = json.loads(wait.stdout)
     assert doc["state"] == "failed" and doc["exit_code"] == 3
     assert doc["attempts"][0]["who"] == "host 1 exit 3"
-    status = cli(shared_cluster, "status", run_id)
+    status = cli(side_cluster, "status", run_id)
     assert "host 1 exit 3" in status.stdout and "exit=3" in status.stdout
 
 
 @pytest.mark.cluster
-def test_a_detached_run_restarts_within_its_budget_and_keeps_every_attempts_logs(shared_cluster, work):
-    run_id, _ = _detach(shared_cluster, work, "flaky.py", "--max-restarts", "1")
-    wait = cli(shared_cluster, "wait", run_id)
+def test_a_detached_run_restarts_within_its_budget_and_keeps_every_attempts_logs(side_cluster, work):
+    run_id, _ = _detach(side_cluster, work, "flaky.py", "--max-restarts", "1")
+    wait = cli(side_cluster, "wait", run_id)
     assert wait.returncode == 0, wait.stderr
     for k in (0, 1):
-        log = cli(shared_cluster, "logs", run_id, "--host", "1", "--attempt", str(k))
+        log = cli(side_cluster, "logs", run_id, "--host", "1", "--attempt", str(k))
         assert log.returncode == 0 and f"attempt {k} host 1" in log.stdout, log.stderr
-    doc = json.loads(cli(shared_cluster, "status", run_id, "--json").stdout)
+    doc = json.loads(cli(side_cluster, "status", run_id, "--json").stdout)
     assert [a["outcome"] for a in doc["attempts"]] == ["failed", "ok"]
 
 
 @pytest.mark.cluster
-def test_a_foreground_run_on_a_remote_cluster_outlives_its_terminal(shared_cluster, work, tmp_path):
+def test_a_foreground_run_on_a_remote_cluster_outlives_its_terminal(side_cluster, work, tmp_path):
     """From a machine with only the address and the token (no record of the cluster here): the run is
     submitted to the head and followed; killing the submitting terminal's process group leaves it
     running to its end; `logs --follow` reattaches and `wait` gives its code."""
-    info = shared_cluster["info"]
+    info = side_cluster["info"]
     env = cli_env(TPULAUNCH_HOME=str(tmp_path / "laptop"), RAY_AUTH_TOKEN_PATH=info["token_path"])
     (work / "short.py").write_text("import time, tpulaunch\nfor i in range(12):\n"
                                    "    print('beat', i, tpulaunch.context().process_index, flush=True)\n"
@@ -175,8 +176,8 @@ def test_a_foreground_run_on_a_remote_cluster_outlives_its_terminal(shared_clust
 
 
 @pytest.mark.cluster
-def test_every_run_command_without_the_token_is_one_line_and_exit_5(shared_cluster, tmp_path):
-    info = shared_cluster["info"]
+def test_every_run_command_without_the_token_is_one_line_and_exit_5(side_cluster, tmp_path):
+    info = side_cluster["info"]
     env = cli_env(TPULAUNCH_HOME=str(tmp_path / "nobody"))  # no record, no token
     dash = f"http://{info['dashboard']}"
     for args in (["runs"], ["status", "last"], ["logs", "last"], ["stop", "last"], ["wait", "last"]):
@@ -190,25 +191,25 @@ def test_every_run_command_without_the_token_is_one_line_and_exit_5(shared_clust
 
 
 @pytest.mark.cluster
-def test_stacks_of_a_detached_run_from_a_machine_with_only_the_token(shared_cluster, work, tmp_path):
+def test_stacks_of_a_detached_run_from_a_machine_with_only_the_token(side_cluster, work, tmp_path):
     """`tpulaunch stacks RUN` against the dashboard: it runs on the head, where the run's files are,
     and the dumps land in the run's attempt directory there; the run goes on."""
-    run_id, _ = _detach(shared_cluster, work, "tick.py")
-    info = shared_cluster["info"]
+    run_id, _ = _detach(side_cluster, work, "tick.py")
+    info = side_cluster["info"]
     laptop = cli_env(TPULAUNCH_HOME=str(tmp_path / "laptop"), RAY_AUTH_TOKEN_PATH=info["token_path"])
     dash = f"http://{info['dashboard']}"
     try:
         _until(lambda: all((h["last_line"] or "").startswith("tick")
-                           for h in status_doc(shared_cluster["env"], run_id)["hosts"] or [{"last_line": ""}]))
+                           for h in status_doc(side_cluster["env"], run_id)["hosts"] or [{"last_line": ""}]))
         p = run_cli("stacks", run_id, "--address", dash, "--json", env=laptop, cwd=tmp_path, timeout=180)
         assert p.returncode == 0, p.stderr
         doc = json.loads(p.stdout)
         assert doc["run_id"] == run_id and doc["hosts"] == list(range(SHARED_HOSTS)) and "(tick.py:" in doc["where"]
         dumps = Path(doc["dir"])
-        assert dumps.parent.resolve() == (_run_dir(shared_cluster, run_id) / "attempt-0").resolve()
+        assert dumps.parent.resolve() == (_run_dir(side_cluster, run_id) / "attempt-0").resolve()
         assert all("tick.py" in (dumps / f"host-{i}.txt").read_text() for i in range(SHARED_HOSTS))
-        assert json.loads(cli(shared_cluster, "status", run_id, "--json").stdout)["state"] == "running"
-        listed = [r["run_id"] for r in json.loads(cli(shared_cluster, "runs", "--json").stdout)["runs"]]
+        assert json.loads(cli(side_cluster, "status", run_id, "--json").stdout)["state"] == "running"
+        listed = [r["run_id"] for r in json.loads(cli(side_cluster, "runs", "--json").stdout)["runs"]]
         assert run_id in listed and not [r for r in listed if r.startswith("tpulaunch-")]  # the helper job is no run
     finally:
-        cli(shared_cluster, "stop", run_id)
+        cli(side_cluster, "stop", run_id)
