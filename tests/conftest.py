@@ -11,8 +11,8 @@
   shared cluster's tests used 1.3 cores of two: 643 CPU-s in 489 s), so the other two come off the
   wall time. The side cluster takes Ray Train's fits, the per-host input checks, the detached
   runs', the Python client's and goodput's tests off the shared one, whose unit would otherwise
-  take longer than half the suite. (pytest-xdist's `loadgroup` would do it, but its 3.8 cannot group on
-  pytest 9.2, whose nodes keep their id elsewhere.)
+  take longer than half the suite. (pytest-xdist's `loadgroup` would do it, but its 3.8 cannot
+  group on pytest 9.2, whose nodes keep their id elsewhere.)
 * Every process the suite starts compiles XLA programs for the CPU without LLVM's optimizations
   (`XLA_FLAGS=--xla_backend_optimization_level=0`, unless XLA_FLAGS is set already), as a user's
   shell could. The suite's scripts run a few steps each, so compiling dominates their time: the
@@ -52,6 +52,6 @@ def side_cluster(tmp_path_factory):
     workers are Ray Train's own actors; per-host input; the Python client; goodput; detached runs):
     a unit of their own in `./scripts/test`'s queue, beside the shared cluster's tests (`streams.py`).
     """
-    # --dashboard: detached runs are Ray jobs, and Ray Train's placement-group cleaner asks its state API
+    # --dashboard: detached runs are Ray jobs; Ray Train's placement-group cleaner asks the state API
     with emulated_cluster(tmp_path_factory.mktemp("tpl-side"), *SHARED, "--dashboard", "--prewarm", "none") as cluster:
         yield cluster

@@ -93,4 +93,5 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     if QUEUE and TAKEN:
-        terminalreporter.write_line("this process took: " + ", ".join(f"{name} ({n}, {s:.0f} s)" for name, n, s in TAKEN))
+        took = ", ".join(f"{name} ({n}, {s:.0f} s)" for name, n, s in TAKEN)
+        terminalreporter.write_line(f"this process took: {took}")
