@@ -231,12 +231,17 @@ def test_host_agent_killed_is_a_lost_host(shared_cluster, workdir, tmp_path):
     run_id = _run_id(tmp_path)
     pid = _host_pid(run_id, 1)
     agent = int(Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[1])  # its parent: the HostAgent actor
+    # the run's file the host holds open: an agent killed cannot remove it, so it must be where
+    # `cluster down` removes everything (the cluster's temp dir), not loose in /tmp
+    held = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir() if f"tpulaunch-run-{run_id}-" in os.readlink(f)]
     os.kill(agent, signal.SIGKILL)
     rc, s = launch.finish()
     assert rc == 75 and s["outcome"] == "lost"
     assert (s["first_failure"]["process_index"], s["first_failure"]["reason"]) == (1, "agent died")
     _assert_logs(s, 1)
     _assert_nothing_left(run_id)
+    cluster_dir = os.path.dirname(shared_cluster["info"]["token_path"])
+    assert held and all(h.startswith(cluster_dir + "/") for h in held), (held, cluster_dir)
 
 
 @pytest.mark.cluster

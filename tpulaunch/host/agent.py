@@ -148,6 +148,20 @@ def read_beat(path: str) -> dict:
         return {}
 
 
+def run_files_dir() -> str:
+    """Where a run's files on this host go (its state, heartbeat and timings): this Ray node's
+    session directory, which goes with the cluster's temp dir at `cluster down`. An agent killed
+    before it could remove them (SIGKILL, a lost node) leaves nothing behind in /tmp."""
+    import ray._private.worker as worker
+
+    node = worker._global_node  # noqa: SLF001 - Ray has no public accessor for the session dir
+    if node is None:  # not in a Ray worker (a unit test's agent)
+        return tempfile.gettempdir()
+    path = os.path.join(node.get_session_dir_path(), "tpulaunch")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
 def package_path() -> str:
     """A directory holding only `tpulaunch` (a link to this package): on the PYTHONPATH of a host
     process in another interpreter (`--python`), it finds the bootstrap and nothing else of ours."""
@@ -256,14 +270,15 @@ class HostAgent:
             if options.check_tpu and not self._tpu_free(options.kill_stale):
                 self._refused = EXIT_TPU_BUSY
                 return Started(-1, False, "the TPU is busy")
-            fd, path = tempfile.mkstemp(prefix="tpulaunch-host-", suffix=".pkl")
+            where = run_files_dir()
+            fd, path = tempfile.mkstemp(prefix="tpulaunch-host-", suffix=".pkl", dir=where)
             with os.fdopen(fd, "wb") as f:
                 f.write(dumps_state(state))
             # Named for the run: every host process keeps it open, so /proc shows whose it is even
             # for one a spare forked, whose environment (/proc/<pid>/environ) is the spare's.
-            fd, self._heartbeat = tempfile.mkstemp(prefix=f"{run_marker(run_id)}host{state.process_index}-")
+            fd, self._heartbeat = tempfile.mkstemp(prefix=f"{run_marker(run_id)}host{state.process_index}-", dir=where)
             os.close(fd)
-            fd, self._timings = tempfile.mkstemp(prefix="tpulaunch-timings-")
+            fd, self._timings = tempfile.mkstemp(prefix="tpulaunch-timings-", dir=where)
             os.close(fd)
             self._files = [path, self._heartbeat, self._timings]
             static, per_run = split_env(state)
