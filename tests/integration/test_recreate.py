@@ -94,6 +94,17 @@ def cli(cloud, *args: str, timeout: float = 240, **env: str) -> subprocess.Compl
     return run_cli(*args, env={**cloud["env"], **env}, cwd=cloud["base"], timeout=timeout)
 
 
+def wait_for_end(cloud, run_id: str, timeout: float) -> subprocess.CompletedProcess:
+    """`tpulaunch wait RUN --json`; a run still going after `timeout` fails the test with the run's
+    own output (read while the head is still up: the module's `cluster down` removes it)."""
+    try:
+        return cli(cloud, "wait", run_id, "--json", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        status = cli(cloud, "status", run_id, timeout=60).stdout
+        log = cli(cloud, "logs", run_id, timeout=60).stdout
+        pytest.fail(f"run {run_id} still going after {timeout:g} s\n{status}\n--- the run's output ---\n{log[-8000:]}")
+
+
 def preempt(cloud, node: str, shutdown_s: float = 0.0) -> None:
     """What Google Cloud does to a spot slice, through the fake's test-only control endpoint; with
     `shutdown_s` its VMs' scripts die that long before their agents and raylets (a soft-off)."""
@@ -158,7 +169,7 @@ def test_a_preempted_slice_is_recreated_rejoined_and_the_run_resumes(cluster):
         assert time.monotonic() - t0 < 120, "the loss was never noticed"
         time.sleep(0.5)
     noticed = time.monotonic() - t0
-    wait = cli(cloud, "wait", run_id, "--json", timeout=400)
+    wait = wait_for_end(cloud, run_id, 400)
     print(f"preemption noticed after {noticed:.1f} s; the run ended {time.monotonic() - t0:.1f} s after it")
     log = cli(cloud, "logs", run_id, timeout=60).stdout
     print("\n--- the run's output, from the loss to the relaunch ---\n" + log)
@@ -210,7 +221,7 @@ def test_a_process_holding_the_libtpu_lockfile_stops_the_run_in_preflight(cluste
     try:
         pids += [int(h.stdout.readline()) for h in holders]
         run_id = submit(cluster, "--max-preemptions", "1")
-        wait = cli(cluster, "wait", run_id, "--json", timeout=200)
+        wait = wait_for_end(cluster, run_id, 200)
     finally:
         for w, pid in enumerate(pids):
             on_worker(w, f"kill {pid}").wait(timeout=60)
@@ -281,7 +292,7 @@ def test_a_multislice_run_recreates_only_the_preempted_slice_and_the_budget_coun
     assert api.events[mark:] == [f"preempt {MS[1]}", f"delete {MS[1]}", f"create {MS[1]}"]
     assert _raylets(cloud["temp_dir"] + f"-vm{_vm_tag(MS[0])}-0") == a_raylet
     preempt(cloud, MS[0])
-    wait = cli(cloud, "wait", run_id, "--json", timeout=300)
+    wait = wait_for_end(cloud, run_id, 300)
     log = cli(cloud, "logs", run_id, timeout=60).stdout
     print("\n--- the run's output ---\n" + log)
     assert wait.returncode == 75, wait.stdout + wait.stderr + log[-4000:]
@@ -353,7 +364,7 @@ def test_an_elastic_run_goes_on_on_a_while_b_is_recreated_then_grows_back(cluste
             break
         assert d["state"] in ("running", "restarting") and time.monotonic() < end, d
         time.sleep(0.5)
-    wait = cli(cloud, "wait", run_id, "--json", timeout=400)
+    wait = wait_for_end(cloud, run_id, 400)
     log = cli(cloud, "logs", run_id, timeout=60).stdout
     print("\n--- the run's output ---\n" + log)
     assert wait.returncode == 0, wait.stdout + wait.stderr + log[-4000:]
@@ -382,7 +393,7 @@ def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
     wait_for_checkpoints(cloud, run_id, step=2)
     cloud["api"].set_capacity(stockout=True)
     preempt(cloud, MS[0])
-    wait = cli(cloud, "wait", run_id, "--json", timeout=300)
+    wait = wait_for_end(cloud, run_id, 300)
     assert wait.returncode == 75, wait.stdout + wait.stderr
     final = json.loads(wait.stdout)
     assert "There is no more capacity in the zone" in final["note"], final["note"]
