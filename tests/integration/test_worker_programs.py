@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tpulaunch.cluster import ownership, remote, worker_query, worker_stop
 
 
@@ -22,7 +24,10 @@ def _answer(command: str) -> dict:
     return json.loads(line[len(remote.JSON_MARK):])
 
 
-def test_the_stop_program_ends_the_clusters_processes_only_and_removes_its_marked_dir(tmp_path):
+@pytest.mark.parametrize("keep_dir", [False, True], ids=["down", "after a failed ray start"])
+def test_the_stop_program_ends_the_clusters_processes_only_and_removes_its_marked_dir(tmp_path, keep_dir):
+    """`cluster down` removes the marked dir; a `ray start` that failed keeps it (Ray's logs, which
+    its error points at)."""
     assert worker_stop.MARKER == ownership.MARKER and worker_stop.JSON_MARK == remote.JSON_MARK
     d = tmp_path / "ray-tmp"
     d.mkdir()
@@ -33,11 +38,11 @@ def test_the_stop_program_ends_the_clusters_processes_only_and_removes_its_marke
     holder = subprocess.Popen(["sleep", "60"], stdout=open(d / "out.log", "w"))  # a user's `tail -f` of a log inside
     time.sleep(0.3)
     try:
-        doc = _answer(remote.stop_command(sys.executable, str(d), "cid-1"))
-        assert doc == {"stopped": 2, "left": [], "removed": True}
+        doc = _answer(remote.stop_command(sys.executable, str(d), "cid-1", keep_dir=keep_dir))
+        assert doc == {"stopped": 2, "left": [], "removed": not keep_dir}
         assert ours.wait(5) is not None
         assert other.poll() is None and holder.poll() is None  # not the cluster's: left alone
-        assert not d.exists()
+        assert d.exists() == keep_dir and (d / "out.log").exists() == keep_dir
     finally:
         for p in (ours, other, holder):
             p.kill()

@@ -115,8 +115,10 @@ def query_command(python: str, head_ip: str, port: int) -> str:
     return f"{AUTH_ENV} {gcloud.shell_words([python, '-c', _source(worker_query), f'{head_ip}:{port}'])}"
 
 
-def stop_command(python: str, temp_dir: str, cluster_id: str) -> str:
-    return gcloud.shell_words([python, "-c", _source(worker_stop), temp_dir, cluster_id])
+def stop_command(python: str, temp_dir: str, cluster_id: str, keep_dir: bool = False) -> str:
+    """`worker_stop` as a command for a worker; `keep_dir`: its temp dir (Ray's logs) is kept."""
+    keep = ["--keep-dir"] if keep_dir else []
+    return gcloud.shell_words([python, "-c", _source(worker_stop), temp_dir, cluster_id, *keep])
 
 
 def _marked_json(text: str) -> dict | None:
@@ -300,9 +302,9 @@ class RemoteSlice:
             # A `ray start` that gave up waiting for its raylet (`worker_start`'s 90 s) leaves the
             # raylet running, and it may register later: on a re-created slice it would then pass
             # for a node of the old VMs, and the next try would wait for it to go away. Stop what
-            # it left.
+            # it left, and keep Ray's logs there: the error below points at them.
             try:
-                self.ssh(worker, stop_command(self.python, self.temp_dir, cluster_id_of(token)))
+                self.ssh(worker, stop_command(self.python, self.temp_dir, cluster_id_of(token), keep_dir=True))
             except ClusterError:
                 pass  # the reason below matters more
             raise ClusterError(f"ray start failed on worker {worker} (exit {proc.returncode}): {_tail(proc)}",

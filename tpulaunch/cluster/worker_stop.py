@@ -1,9 +1,10 @@
 """tpulaunch-stop: end the processes of one cluster on this host, by pid. Prints one marked JSON line.
 
 Those started with the cluster's id (`TPULAUNCH_CLUSTER_ID` in their environment) and every process
-below them; its temp dir DIR is removed only when it is marked for the cluster. Runs on a TPU worker over gcloud ssh, sent as
-its own source with `python -c` (`cluster/remote.py`), so the worker needs no tpulaunch: the
-standard library only; tests import it and run it as a program.
+below them; its temp dir DIR is removed only when it is marked for the cluster (never with
+`--keep-dir`). Runs on a TPU worker over gcloud ssh, sent as its own source with `python -c`
+(`cluster/remote.py`), so the worker needs no tpulaunch: the standard library only; tests import
+it and run it as a program.
 """
 
 import json
@@ -107,7 +108,8 @@ def gcs(pid: int) -> bool:
         return False
 
 
-def stop(temp_dir: str, cid: str) -> dict:
+def stop(temp_dir: str, cid: str, keep_dir: bool = False) -> dict:
+    """`keep_dir`: the processes only, the dir kept (Ray's logs of a `ray start` that failed)."""
     d = os.path.realpath(temp_dir)
     try:
         marked = json.load(open(os.path.join(d, MARKER))).get("cluster_id") == cid and not os.path.islink(d)
@@ -127,10 +129,11 @@ def stop(temp_dir: str, cid: str) -> dict:
         while time.monotonic() < end and [p for p in members(cid, d, marked) if which(p)]:
             time.sleep(0.2)
     left = members(cid, d, marked)
-    if not left and marked:
+    removed = not left and marked and not keep_dir
+    if removed:
         shutil.rmtree(d, ignore_errors=True)
-    return {"stopped": len(found), "left": left, "removed": bool(not left and marked)}
+    return {"stopped": len(found), "left": left, "removed": removed}
 
 
 if __name__ == "__main__":
-    print(JSON_MARK + json.dumps(stop(sys.argv[1], sys.argv[2])), flush=True)
+    print(JSON_MARK + json.dumps(stop(sys.argv[1], sys.argv[2], keep_dir="--keep-dir" in sys.argv[3:])), flush=True)
