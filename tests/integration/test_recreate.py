@@ -101,8 +101,20 @@ def wait_for_end(cloud, run_id: str, timeout: float) -> subprocess.CompletedProc
         return cli(cloud, "wait", run_id, "--json", timeout=timeout)
     except subprocess.TimeoutExpired:
         status = cli(cloud, "status", run_id, timeout=60).stdout
-        log = cli(cloud, "logs", run_id, timeout=60).stdout
-        pytest.fail(f"run {run_id} still going after {timeout:g} s\n{status}\n--- the run's output ---\n{log[-8000:]}")
+        lines = cli(cloud, "logs", run_id, timeout=60).stdout.splitlines()
+        ours = "\n".join(ln for ln in lines if ln.startswith("tpulaunch:"))  # the launcher's, not the steps
+        pytest.fail(f"run {run_id} still going after {timeout:g} s\n{status}\n--- tpulaunch's lines ---\n{ours}\n"
+                    f"--- the last of its output ---\n" + "\n".join(lines[-20:]) + "\n" + vm_ray_logs(cloud))
+
+
+def vm_ray_logs(cloud) -> str:
+    """The end of every fake VM's raylet logs, each session's (the fake keeps a VM's /tmp at
+    `<path>-vm<slice>-<worker>` here; `cluster down` removes them)."""
+    out = []
+    for log in sorted(Path("/tmp").glob(Path(cloud["temp_dir"]).name + "-vm*/session_2*/logs/raylet.*")):
+        if log.suffix in (".out", ".err") and log.stat().st_size:
+            out.append(f"--- {log} ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]))
+    return "\n".join(out)
 
 
 def preempt(cloud, node: str, shutdown_s: float = 0.0) -> None:
