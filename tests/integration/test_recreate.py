@@ -103,6 +103,7 @@ def wait_for_end(cloud, run_id: str, timeout: float) -> subprocess.CompletedProc
         status = cli(cloud, "status", run_id, timeout=60).stdout
         lines = cli(cloud, "logs", run_id, timeout=60).stdout.splitlines()
         ours = "\n".join(ln for ln in lines if ln.startswith("tpulaunch:"))  # the launcher's, not the steps
+        cli(cloud, "stop", run_id, timeout=120)  # its hosts free for the next test
         pytest.fail(f"run {run_id} still going after {timeout:g} s\n{status}\n--- tpulaunch's lines ---\n{ours}\n"
                     f"--- the last of its output ---\n" + "\n".join(lines[-20:]) + "\n" + vm_ray_logs(cloud))
 
@@ -401,6 +402,8 @@ def test_an_elastic_run_goes_on_on_a_while_b_is_recreated_then_grows_back(cluste
 
 def test_a_stockout_on_recreate_ends_the_run_with_the_services_reason(cluster):
     cloud = cluster  # on the two slices the elastic run before grew back to, still up
+    again = up_two_slices(cloud)  # (both are in Ray already, unless the test before failed)
+    assert again.returncode == 0, again.stderr
     run_id = submit(cloud, "--num-slices", "2", "--max-preemptions", "1", "--preemption-wait", "4")
     wait_for_checkpoints(cloud, run_id, step=2)
     cloud["api"].set_capacity(stockout=True)
