@@ -196,19 +196,24 @@ def test_up_status_idempotent_down(remote):
     hosts = st["slices"][0]["hosts"]
     assert [(h["worker_id"], h["alive"]) for h in hosts] == [(w, True) for w in range(WORKERS)]
     assert st["slices"][0]["pod_type"] == "v4-16" and st["slices"][0]["topology"] == "2x2x2"
-    # `--dashboard-agent-listen-port 0`: each VM's raylet was given a port ahead (worker_start), below
-    # the ephemeral range, and its dashboard agent serves on that one (its log says so once it does)
+    # the agents' ports `ray start` leaves to them (0): each VM's raylet was given them ahead
+    # (worker_start), below the ephemeral range, and the dashboard agent serves on those (its log
+    # says so once it does)
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     vm_dirs = glob.glob(tdir + "-vm*")
     assert len(vm_dirs) == WORKERS
     for vm_dir in vm_dirs:
-        (written,) = [int(Path(f).read_text()) for f in glob.glob(vm_dir + "/session_latest/dashboard_agent_listen_port_*")]
+        written = {}
+        for name in ("dashboard_agent_listen_port", "metrics_agent_port", "metrics_export_port", "runtime_env_agent_port"):
+            (written[name],) = [int(Path(f).read_text()) for f in glob.glob(f"{vm_dir}/session_latest/{name}_*")]
+        assert all(10000 <= p < low for p in written.values()) and len(set(written.values())) == 4, written
         agent_log = Path(vm_dir, "session_latest", "logs", "dashboard_agent.log")
         end = time.monotonic() + 60
         while "Dashboard agent http address" not in agent_log.read_text() and time.monotonic() < end:
             time.sleep(0.5)
-        assert 10000 <= written < low
-        assert re.search(rf"Dashboard agent http address: \S+:{written}\n", agent_log.read_text()), written
+        said = agent_log.read_text()
+        assert re.search(rf"Dashboard agent http address: \S+:{written['dashboard_agent_listen_port']}\n", said), written
+        assert re.search(rf"Dashboard agent grpc address: \S+:{written['metrics_agent_port']}\n", said), written
     # a run with a preemption budget is told, in one line, that the head shares the slice's fate (and
     # from here, outside the slice's network, that the head at worker 0's internal IP is out of reach)
     (remote["base"] / "t.py").write_text("print('x')\n")

@@ -87,10 +87,19 @@ def test_a_claims_directory_that_is_not_the_users_own_is_not_used(tmp_path, own_
     assert len(set(ports.free_ports(3))) == 3  # ports are still chosen, by this process alone
 
 
-def test_the_agent_port_ray_start_would_leave_to_the_agent_is_chosen_ahead():
-    """`worker_start`: for `--dashboard-agent-listen-port 0` a port is chosen before the raylet
+def test_the_agent_port_ray_start_would_leave_to_the_agent_is_chosen_ahead(monkeypatch):
+    """`worker_start`: for each agent port `ray start` leaves at 0 a port is chosen before the raylet
     starts (so it need not wait for the agent to say it): free, and below the ephemeral range."""
+    from tpulaunch.cluster import worker_start
     from tpulaunch.cluster.worker_start import free_low_port
 
     port = free_low_port()
     assert ports.LOWEST <= port < ports._ephemeral_low() and ports._is_free(port)
+    # the agents' ports of one node, chosen one after the other, are never the same port
+    monkeypatch.setattr(worker_start, "ephemeral_low", lambda: worker_start.LOWEST_PORT + 3)
+    monkeypatch.setattr(worker_start, "port_is_free", lambda _port: True)
+    taken: set[int] = set()
+    for _ in range(3):
+        taken.add(free_low_port(taken))
+    assert taken == {worker_start.LOWEST_PORT, worker_start.LOWEST_PORT + 1, worker_start.LOWEST_PORT + 2}
+    assert free_low_port(taken) == 0  # none left: the agent chooses (the raylet waits)

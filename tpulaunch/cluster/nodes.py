@@ -100,7 +100,7 @@ def main() -> int:
 
     _private_dirs()
     patient_get_node()  # Ray's `Node()` waits for each raylet spinning a core, and only 30 s (worker_start says why)
-    early_agent_port()  # ... and each raylet for its dashboard agent's port, only 15 s: its port is known here
+    early_agent_port()  # ... and each raylet for its agents' ports, only 15 s: they are known here
     address = None
     for node in batch["nodes"]:
         if not node["head"]:

@@ -10,17 +10,19 @@ again itself, every 50 ms, for up to `REGISTER_WAIT_S` from the first call for a
 lets the failure through.
 
 And the raylet itself gives up on its node after 15 s: it waits for the dashboard agent it starts
-to write the port its HTTP server listens on to a file (`dashboard_agent_listen_port_<node id>` in
-the session dir), and that agent first imports every dashboard module (2.4 CPU-s on these
-machines). With the machine's cores busy (emulated hosts importing their frameworks, other
-nodes starting) the agent has been seen to take longer, and the raylet exits with "Check failed:
-... Timed out waiting for file ...dashboard_agent_listen_port_..." (its log): the node never
-registers, and Ray says "The current node timed out during startup". Ray has no setting for those
-15 s (`WaitForPersistedPort`'s default); the port file exists only to tell the raylet a port the
-agent chose itself. So the port is known before the raylet starts (`early_agent_port`: the one
-given, or for `--dashboard-agent-listen-port 0` one free now below the ephemeral range, which the
-agent is told) and written to that file, as the agent will write it: the raylet goes on at once,
-and the agent takes the port when it is ready.
+to write the ports its servers listen on (HTTP, gRPC, Prometheus) to files in the session dir
+(`dashboard_agent_listen_port_<node id>`, `metrics_agent_port_...`, `metrics_export_port_...`),
+and that agent first imports every dashboard module (2.4 CPU-s on these machines). With the
+machine's cores busy (emulated hosts importing their frameworks, other nodes starting) the agent
+has been seen to take longer, and the raylet exits with "Check failed: ... Timed out waiting for
+file ...dashboard_agent_listen_port_..." (and, once that one was written ahead, "...
+metrics_agent_port_..."): the node never registers, and Ray says "The current node timed out
+during startup". Ray has no setting for those 15 s (`WaitForPersistedPort`'s default); the files
+exist only to tell the raylet ports the agents chose themselves. So every agent port `ray start`
+leaves to its agent (0, its default) is chosen before the raylet starts (`early_agent_port`: one
+free now below the ephemeral range, which the agent is told) and written to its file, as the
+agent will write it: the raylet goes on at once, and each agent takes its port when it is ready.
+The runtime-env agent's port is chosen ahead the same way.
 
 Runs on a TPU worker over gcloud ssh (and for a head off the slice, here), sent as its own source
 with `python -c` (`cluster/remote.py`), so the worker needs Ray and no tpulaunch; emulated nodes
@@ -56,21 +58,34 @@ def patient_get_node(wait_s: float = REGISTER_WAIT_S) -> None:
     services.get_node = get_node
 
 
+# The agents' ports a raylet waits to read from a file when it is not given them (0): each
+# (RayParams field, the file's name in ray._raylet) -- the dashboard agent's HTTP, gRPC and
+# Prometheus ports, and the runtime-env agent's. Ray 2.60's raylet waits 15 s for each of the
+# first three (`WaitForDashboardAgentPorts`), then dies.
+AGENT_PORTS = (("dashboard_agent_listen_port", "DASHBOARD_AGENT_LISTEN_PORT_NAME"),
+               ("metrics_agent_port", "METRICS_AGENT_PORT_NAME"),
+               ("metrics_export_port", "METRICS_EXPORT_PORT_NAME"),
+               ("runtime_env_agent_port", "RUNTIME_ENV_AGENT_PORT_NAME"))
+
+
 def early_agent_port() -> None:
-    """Before each raylet starts, write its dashboard agent's listen port to the file the raylet
-    waits on, as the agent itself will: the port chosen ahead, or (given 0: "the agent chooses")
-    one free now, which the agent is then told."""
+    """Before each raylet starts, write its agents' ports to the files the raylet waits on, as the
+    agents themselves will: each port chosen ahead, or (given 0: "the agent chooses") one free now,
+    which the agent is then told."""
     import ray._private.node as node
-    from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port
+    import ray._raylet as raylet
 
     real = node.Node.start_raylet
 
     def start_raylet(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - Ray's signature
-        params = self._ray_params  # read by start_raylet for the agent's command line
-        params.dashboard_agent_listen_port = params.dashboard_agent_listen_port or free_low_port()
-        if params.dashboard_agent_listen_port:
-            persist_port(self._session_dir, self._node_id, DASHBOARD_AGENT_LISTEN_PORT_NAME,
-                         params.dashboard_agent_listen_port)
+        params = self._ray_params  # read by start_raylet for the agents' and the raylet's command lines
+        taken: set[int] = set()
+        for field, name in AGENT_PORTS:
+            port = getattr(params, field) or free_low_port(taken)
+            setattr(params, field, port)
+            if port:
+                taken.add(port)
+                raylet.persist_port(self._session_dir, self._node_id, getattr(raylet, name), port)
         return real(self, *args, **kwargs)
 
     node.Node.start_raylet = start_raylet
@@ -97,13 +112,13 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def free_low_port() -> int:
+def free_low_port(taken: set[int] = frozenset()) -> int:
     """A port free now below the kernel's ephemeral range (where no outgoing connection takes it
-    before the agent binds it); 0 (the agent chooses, the raylet waits) when there is none.
-    (The launcher's own choices, claimed across processes, are `cluster/ports.py`'s.)"""
+    before the agent binds it), not in `taken`; 0 (the agent chooses, the raylet waits) when there
+    is none. (The launcher's own choices, claimed across processes, are `cluster/ports.py`'s.)"""
     top = ephemeral_low()
     for port in random.sample(range(LOWEST_PORT, top), min(200, max(0, top - LOWEST_PORT))):
-        if port_is_free(port):
+        if port not in taken and port_is_free(port):
             return port
     return 0
 
