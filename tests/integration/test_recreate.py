@@ -112,7 +112,8 @@ def vm_ray_logs(cloud) -> str:
     """The end of every fake VM's raylet logs, each session's (the fake keeps a VM's /tmp at
     `<path>-vm<slice>-<worker>` here; `cluster down` removes them)."""
     out = []
-    for log in sorted(Path("/tmp").glob(Path(cloud["temp_dir"]).name + "-vm*/session_2*/logs/raylet.*")):
+    vms = Path(cloud["temp_dir"])
+    for log in sorted(vms.parent.glob(vms.name + "-vm*/session_2*/logs/raylet.*")):
         if log.suffix in (".out", ".err") and log.stat().st_size:
             out.append(f"--- {log} ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]))
     return "\n".join(out)

@@ -19,7 +19,7 @@ file ...dashboard_agent_listen_port_..." (and, once that one was written ahead, 
 metrics_agent_port_..."): the node never registers, and Ray says "The current node timed out
 during startup". Ray has no setting for those 15 s (`WaitForPersistedPort`'s default); the files
 exist only to tell the raylet ports the agents chose themselves. So every agent port `ray start`
-leaves to its agent (0, its default) is chosen before the raylet starts (`early_agent_port`: one
+leaves to its agent (0, its default) is chosen before the raylet starts (`early_agent_ports`: one
 free now below the ephemeral range, which the agent is told) and written to its file, as the
 agent will write it: the raylet goes on at once, and each agent takes its port when it is ready.
 The runtime-env agent's port is chosen ahead the same way.
@@ -34,6 +34,7 @@ import random
 import socket
 import sys
 import time
+from collections.abc import Container
 
 REGISTER_WAIT_S = 90.0
 
@@ -68,7 +69,7 @@ AGENT_PORTS = (("dashboard_agent_listen_port", "DASHBOARD_AGENT_LISTEN_PORT_NAME
                ("runtime_env_agent_port", "RUNTIME_ENV_AGENT_PORT_NAME"))
 
 
-def early_agent_port() -> None:
+def early_agent_ports() -> None:
     """Before each raylet starts, write its agents' ports to the files the raylet waits on, as the
     agents themselves will: each port chosen ahead, or (given 0: "the agent chooses") one free now,
     which the agent is then told."""
@@ -112,7 +113,7 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def free_low_port(taken: set[int] = frozenset()) -> int:
+def free_low_port(taken: Container[int] = ()) -> int:
     """A port free now below the kernel's ephemeral range (where no outgoing connection takes it
     before the agent binds it), not in `taken`; 0 (the agent chooses, the raylet waits) when there
     is none. (The launcher's own choices, claimed across processes, are `cluster/ports.py`'s.)"""
@@ -125,7 +126,7 @@ def free_low_port(taken: set[int] = frozenset()) -> int:
 
 if __name__ == "__main__":
     patient_get_node()
-    early_agent_port()
+    early_agent_ports()
     from ray.scripts.scripts import main
 
     sys.argv[0] = "ray"
