@@ -214,6 +214,10 @@ def test_up_status_idempotent_down(remote):
         said = agent_log.read_text()
         assert re.search(rf"Dashboard agent http address: \S+:{written['dashboard_agent_listen_port']}\n", said), written
         assert re.search(rf"Dashboard agent grpc address: \S+:{written['metrics_agent_port']}\n", said), written
+        # ... and waits 100 s for its runtime-env agent, not Ray's 30 s (worker_start.patient_agents)
+        (raylet,) = [p for p in procs_of(vm_dir)
+                     if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/raylet")]
+        assert b"RAY_agent_register_timeout_ms=100000" in Path(f"/proc/{raylet}/environ").read_bytes().split(b"\0")
     # a run with a preemption budget is told, in one line, that the head shares the slice's fate (and
     # from here, outside the slice's network, that the head at worker 0's internal IP is out of reach)
     (remote["base"] / "t.py").write_text("print('x')\n")

@@ -1,9 +1,13 @@
-"""Ray nodes on a busy machine: a dashboard agent slower to start than Ray's fixed 15 s no longer
-kills its raylet (before, the node never registered: "The current node timed out during startup").
+"""Ray nodes on a busy machine: agents slower to start than the raylet waits for them no longer kill
+it. A dashboard agent past Ray's fixed 15 s (before, the node never registered: "The current node
+timed out during startup"), a runtime-env agent past Ray's default 30 s (before, the node registered,
+then its raylet exited: "Runtime Env Agent timed out in 30000ms").
 
 The agents are slowed for real: a `sitecustomize` on PYTHONPATH, which every Python process of the
-cluster imports first, sleeps 20 s in the processes running Ray's `dashboard/agent.py` (as a
-starved agent, still importing its modules, would) and then notes that it did.
+cluster imports first, sleeps in the processes running Ray's `dashboard/agent.py` (20 s) and
+`runtime_env/agent/main.py` (50 s), as a starved agent still importing its modules would, and then
+notes that it did. A run starts on the cluster as soon as it is up, so the raylets ask their
+runtime-env agents for its host agents' environment while those still sleep.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from support import cli_env, run_cli
 
 SLOW_AGENT = """
 import os, sys, time
-if sys.argv and sys.argv[0].endswith(os.path.join("dashboard", "agent.py")):
-    time.sleep(20)
-    with open({marker!r}, "a") as f:
-        f.write(f"{{os.getpid()}}\\n")
+for agent, s in (("dashboard/agent.py", 20), ("runtime_env/agent/main.py", 50)):
+    if sys.argv and sys.argv[0].endswith(os.path.join(*agent.split("/"))):
+        time.sleep(s)
+        with open({marker!r}, "a") as f:
+            f.write(f"{{agent}}:{{os.getpid()}}\\n")
 """
 
 
@@ -30,7 +35,7 @@ def _lines(path) -> list[str]:
 
 
 @pytest.mark.lifecycle
-def test_a_dashboard_agent_slower_than_the_raylets_wait_does_not_stop_its_node(tmp_path):
+def test_agents_slower_than_their_raylets_waits_do_not_stop_its_node(tmp_path):
     hook, marker = tmp_path / "hook", tmp_path / "slept.txt"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_AGENT.format(marker=str(marker)))
@@ -40,10 +45,18 @@ def test_a_dashboard_agent_slower_than_the_raylets_wait_does_not_stop_its_node(t
         up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none", "--json",
                      env=env, timeout=300)
         assert up.returncode == 0, up.stderr[-3000:]
+        # a run at once: each host's agent (an actor with a runtime env) asks its raylet for a worker,
+        # and the raylet asks the runtime-env agent, still asleep, for the environment
+        (tmp_path / "hi.py").write_text("print('hi', flush=True)\n")
+        run = run_cli("run", "hi.py", "--address", "auto", "--framework", "none", "--log-dir", str(tmp_path / "runs"),
+                      env=env, cwd=tmp_path, timeout=300)
+        assert run.returncode == 0 and run.stdout.count("hi") >= 2, run.stdout[-2000:] + run.stderr[-3000:]
         end = time.monotonic() + 180
-        while time.monotonic() < end and len(_lines(marker)) < 2:
+        while time.monotonic() < end and len(_lines(marker)) < 4:
             time.sleep(0.5)
-        assert len(_lines(marker)) == 2  # both nodes' agents slept past the raylets' 15 s
+        slept = sorted(line.split(":")[0] for line in _lines(marker))
+        # both nodes' agents slept past their raylets' waits (15 s and 30 s)
+        assert slept == ["dashboard/agent.py"] * 2 + ["runtime_env/agent/main.py"] * 2, slept
         status = run_cli("cluster", "status", "--json", env=env, timeout=120)
         assert status.returncode == 0, status.stderr
         hosts = [h for s in json.loads(status.stdout)["slices"] for h in s["hosts"]]
@@ -51,3 +64,4 @@ def test_a_dashboard_agent_slower_than_the_raylets_wait_does_not_stop_its_node(t
     finally:
         down = run_cli("cluster", "down", env=env, timeout=120)
     assert down.returncode == 0, down.stderr
+

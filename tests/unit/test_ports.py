@@ -103,3 +103,16 @@ def test_the_agent_port_ray_start_would_leave_to_the_agent_is_chosen_ahead(monke
         taken.add(free_low_port(taken))
     assert taken == {worker_start.LOWEST_PORT, worker_start.LOWEST_PORT + 1, worker_start.LOWEST_PORT + 2}
     assert free_low_port(taken) == 0  # none left: the agent chooses (the raylet waits)
+
+
+def test_a_raylet_waits_100_s_for_its_runtime_env_agent_unless_the_environment_says(monkeypatch):
+    """`worker_start.patient_agents`: Ray's `agent_register_timeout_ms` (30 s) raised to 100 s for
+    the raylets a node start makes; a value the deployment set is kept."""
+    from tpulaunch.cluster import worker_start
+
+    monkeypatch.delenv("RAY_agent_register_timeout_ms", raising=False)
+    worker_start.patient_agents()
+    assert os.environ["RAY_agent_register_timeout_ms"] == "100000"
+    monkeypatch.setenv("RAY_agent_register_timeout_ms", "600000")
+    worker_start.patient_agents()
+    assert os.environ["RAY_agent_register_timeout_ms"] == "600000"

@@ -32,7 +32,7 @@ import os
 import sys
 import traceback
 
-from tpulaunch.cluster.worker_start import early_agent_ports, patient_get_node
+from tpulaunch.cluster.worker_start import early_agent_ports, patient_agents, patient_get_node
 
 
 def _params(node: dict):  # noqa: ANN202 - a ray._private.parameter.RayParams
@@ -101,6 +101,7 @@ def main() -> int:
     _private_dirs()
     patient_get_node()  # Ray's `Node()` waits for each raylet spinning a core, and only 30 s (worker_start says why)
     early_agent_ports()  # ... and each raylet for its agents' ports, only 15 s: they are known here
+    patient_agents()  # ... and for its runtime-env agent, only 30 s
     address = None
     for node in batch["nodes"]:
         if not node["head"]:

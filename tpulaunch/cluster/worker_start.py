@@ -24,12 +24,20 @@ free now below the ephemeral range, which the agent is told) and written to its 
 agent will write it: the raylet goes on at once, and each agent takes its port when it is ready.
 The runtime-env agent's port is chosen ahead the same way.
 
+That agent's own wait is a setting: the raylet asks it for each worker's environment, and after
+`agent_register_timeout_ms` (30 s; Ray's default on Windows, where agents are known to be slow to
+start, is 100 s) of "connection refused" it exits. Under the suite's load a re-created VM's node
+joined, then died 30 s later that way, its runtime-env agent still importing: the slice never
+came back. So a node started here gets 100 s too (`patient_agents`), unless its environment
+already says how long.
+
 Runs on a TPU worker over gcloud ssh (and for a head off the slice, here), sent as its own source
 with `python -c` (`cluster/remote.py`), so the worker needs Ray and no tpulaunch; emulated nodes
 (`cluster/nodes.py`) install the same wait and the same early port in their own process (their
 ports are chosen by the launcher).
 """
 
+import os
 import random
 import socket
 import sys
@@ -37,6 +45,7 @@ import time
 from collections.abc import Container
 
 REGISTER_WAIT_S = 90.0
+AGENT_WAIT_MS = 100_000  # the raylet's wait for its runtime-env agent (Ray's default: 30 s; on Windows 100 s)
 
 
 def patient_get_node(wait_s: float = REGISTER_WAIT_S) -> None:
@@ -57,6 +66,12 @@ def patient_get_node(wait_s: float = REGISTER_WAIT_S) -> None:
                 time.sleep(0.05)
 
     services.get_node = get_node
+
+
+def patient_agents(wait_ms: int = AGENT_WAIT_MS) -> None:
+    """Give the raylets started from this process `wait_ms` for their runtime-env agent, unless
+    the environment (a deployment's) sets Ray's `agent_register_timeout_ms` already."""
+    os.environ.setdefault("RAY_agent_register_timeout_ms", str(wait_ms))
 
 
 # The agents' ports a raylet waits to read from a file when it is not given them (0): each
@@ -126,6 +141,7 @@ def free_low_port(taken: Container[int] = ()) -> int:
 
 if __name__ == "__main__":
     patient_get_node()
+    patient_agents()
     early_agent_ports()
     from ray.scripts.scripts import main
 
