@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
 from support import cli_env, run_cli
+from tpulaunch.errors import ExitCode
 
 SLOW_AGENT = """
 import os, sys, time
@@ -65,3 +67,47 @@ def test_agents_slower_than_their_raylets_waits_do_not_stop_its_node(tmp_path):
         down = run_cli("cluster", "down", env=env, timeout=120)
     assert down.returncode == 0, down.stderr
 
+
+HOST_1_ENV_AGENT_ASLEEP = """
+import os, sys, time
+if (sys.argv and sys.argv[0].endswith(os.path.join("runtime_env", "agent", "main.py"))
+        and any("/s0w1/" in a for a in sys.argv)):
+    with open({marker!r}, "a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+    time.sleep(60)
+"""
+
+
+@pytest.mark.lifecycle
+def test_a_node_that_dies_as_its_host_agent_starts_is_that_hosts_loss(tmp_path):
+    """A deployment's own `agent_register_timeout_ms` (10 s here) is kept, and host 1's runtime-env
+    agent sleeps past it: its raylet exits as the run's host agents start. Host 1 is lost, said in
+    one line with Ray's reason, exit 75, every host's log kept (before: "internal error:
+    ActorDiedError ... This is a tpulaunch bug")."""
+    hook, marker = tmp_path / "hook", tmp_path / "slept.txt"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOST_1_ENV_AGENT_ASLEEP.format(marker=str(marker)))
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
+    env = cli_env(TPULAUNCH_HOME=str(tmp_path / "home"), PYTHONPATH=path, RAY_agent_register_timeout_ms="10000")
+    try:
+        up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none", "--json",
+                     env=env, timeout=300)
+        assert up.returncode == 0, up.stderr[-3000:]
+        (tmp_path / "hi.py").write_text("print('hi', flush=True)\n")
+        run = run_cli("run", "hi.py", "--address", "auto", "--framework", "none", "--max-restarts", "0", "--json",
+                      "--log-dir", str(tmp_path / "runs"), env=env, cwd=tmp_path, timeout=300)
+        assert len(_lines(marker)) == 1  # host 1's agent, asleep
+        assert run.returncode == ExitCode.HOST_LOST, run.stdout[-2000:] + run.stderr[-3000:]
+        assert "internal error" not in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]
+        assert "host 1 lost (node lost as its agent started: Raylet could not connect to Runtime Env Agent)" in run.stderr
+        s = json.loads(run.stdout)
+        f = s["first_failure"]
+        assert (f["process_index"], f["cause"]) == (1, "node-lost"), f
+        for h in s["hosts"]:
+            assert Path(h["log"]).exists(), h
+        status = run_cli("cluster", "status", "--json", env=env, timeout=120)
+        hosts = [h for sl in json.loads(status.stdout)["slices"] for h in sl["hosts"]]
+        assert [h["alive"] for h in sorted(hosts, key=lambda h: h["worker_id"])] == [True, False], hosts
+    finally:
+        down = run_cli("cluster", "down", env=env, timeout=120)
+    assert down.returncode == 0, down.stderr

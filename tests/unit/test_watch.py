@@ -145,3 +145,18 @@ def test_stack_dumps_are_summed_up_by_where_each_host_is():
     assert innermost_frame("(the host process had already ended)") == "an unknown place (no Python stack)"
     line = where_hosts_are({0: DUMP, 1: DUMP.replace("wait_forever", "barrier"), 3: DUMP})
     assert line == "hosts 0,3: in wait_forever (hang.py:5); host 1: in barrier (hang.py:5)"
+
+
+def test_an_agent_lost_with_its_node_is_blamed_on_the_node_with_the_reason_ray_recorded():
+    """`fleet.why_agent_died` / `node_death` on Ray 2.60's own words for an actor whose node died."""
+    from tpulaunch.run.fleet import node_death, why_agent_died
+
+    said = ("The actor died unexpectedly before finishing this task.\n\tclass_name: HostAgent\n"
+            "The actor died because its node has died. Node Id: e5794f2b\n"
+            "\tthe actor's node was terminated unexpectedly: Raylet could not connect to Runtime Env Agent\n"
+            "The actor never ran - it was cancelled before it started running.")
+    err = RuntimeError(said)
+    assert why_agent_died(err) == (Cause.NODE_LOST, "node lost")
+    assert node_death(err) == "Raylet could not connect to Runtime Env Agent"
+    assert why_agent_died(RuntimeError("The actor died unexpectedly")) == (Cause.AGENT_DIED, "agent died")
+    assert node_death(RuntimeError("The actor died unexpectedly")) is None

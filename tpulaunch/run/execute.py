@@ -26,7 +26,7 @@ from tpulaunch.host.protocol import AgentInfo, HostOptions
 from tpulaunch.host.ranks import PREFIX_RE as RANK_PREFIX_RE
 from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.run import watch as W
-from tpulaunch.run.fleet import Fleet, RayFleet, Reply, reachable
+from tpulaunch.run.fleet import Fleet, RayFleet, Reply, node_death, reachable, why_agent_died
 from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.timeline import Timeline
 from tpulaunch.run.status import RunState, RunView
@@ -141,8 +141,18 @@ def host_options(plan: LaunchPlan, limits: Limits) -> HostOptions:
     )
 
 
-def place_agents(plan: LaunchPlan, timeout_s: float, interrupts: Interrupts) -> tuple[list, list[AgentInfo]] | None:
-    """Find (or start) each host's agent and check it sits on its TPU worker; None if interrupted."""
+@dataclass(frozen=True)
+class Placed:
+    """Each host's agent handle, what it said of itself, and the hosts whose agent died first."""
+
+    agents: list
+    infos: list[AgentInfo]
+    dead: dict[int, tuple[Cause, str]]
+
+
+def place_agents(plan: LaunchPlan, timeout_s: float, interrupts: Interrupts) -> Placed | None:
+    """Find (or start) each host's agent and check it sits on its TPU worker; None if interrupted.
+    An agent that died before it answered (its node gone as it started) is its host's loss."""
     import ray
 
     agents = [agent_for(h.slice_name, h.worker_id) for h in plan.hosts]
@@ -152,14 +162,24 @@ def place_agents(plan: LaunchPlan, timeout_s: float, interrupts: Interrupts) -> 
             raise ClusterError(f"the host agents did not start within {timeout_s:.0f} s",
                                "Ray could not start their worker processes; see the raylet logs of the cluster")
         return None
-    infos: list[AgentInfo] = ray.get(refs)
+    infos: list[AgentInfo] = []
+    dead: dict[int, tuple[Cause, str]] = {}
+    for i, ref in enumerate(refs):
+        try:
+            infos.append(ray.get(ref))
+        except ray.exceptions.RayActorError as e:
+            cause, why = why_agent_died(e)
+            ray_says = node_death(e)
+            dead[i] = (cause, f"{why} as its agent started" + (f": {ray_says}" if ray_says else ""))
+    if dead:
+        return Placed(agents, [], dead)
     for h, info in zip(plan.hosts, infos):
         got = (info.labels.get(LABEL_SLICE), info.labels.get(LABEL_WORKER))
         if got != (h.slice_name, str(h.worker_id)):
             raise ClusterError(f"host agent {h.process_index} landed on {got}, not ({h.slice_name}, {h.worker_id})",
                                "the cluster's TPU labels are inconsistent; restart it")
     retire_other_agents([(h.slice_name, h.worker_id) for h in plan.hosts])
-    return agents, infos
+    return Placed(agents, infos, {})
 
 
 def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts,
@@ -194,8 +214,11 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
             timings["schedule_s"] = time.time() - t0
             sink.progress("starting host agents")
             placed = place_agents(plan, limits.schedule_timeout_s, interrupts)
-            if placed is not None:
-                agents, infos = placed
+            for i, (cause, why) in (placed.dead if placed else {}).items():
+                sink.progress(f"host {i} lost ({why})")
+                watch.on_gone(i, cause, why)
+            if placed is not None and not placed.dead:
+                agents, infos = placed.agents, placed.infos
                 raylets = _raylets(infos)
                 for r, info in zip(hosts, infos):
                     r.node_ip = info.node_ip

@@ -14,6 +14,7 @@ mistaken for its peers'.
 from __future__ import annotations
 
 import queue
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -77,6 +78,25 @@ class Fleet(Protocol):
 
     def release(self, prewarm: list[HostState] | None) -> None:
         """The attempt is over: each host forgets it; with `prewarm`, starts a spare for the next run."""
+
+
+_NODE_DIED = re.compile(r"node was terminated unexpectedly: ([^\n]+)")
+
+
+def why_agent_died(err: Exception) -> tuple[Cause, str]:
+    """(cause, words) for Ray's error of an agent that died: its node's loss or its own. Pure."""
+    if getattr(err, "preempted", False):
+        return Cause.NODE_LOST, "node preempted"
+    if "node has died" in str(err).lower():
+        return Cause.NODE_LOST, "node lost"
+    return Cause.AGENT_DIED, "agent died"
+
+
+def node_death(err: Exception) -> str | None:
+    """What the head recorded of the node's end, if Ray's error says ("Raylet could not connect to
+    Runtime Env Agent"). Pure."""
+    m = _NODE_DIED.search(str(err))
+    return m.group(1).strip().rstrip(".") if m else None
 
 
 class RayFleet:
@@ -163,13 +183,10 @@ class RayFleet:
         """`node lost` when the agent's Ray node is gone (its raylet no longer answers), else
         `agent died`. Ray's own error may not say yet: a killed raylet takes its workers with it
         before the head has marked the node dead."""
-        if getattr(err, "preempted", False):
-            return Cause.NODE_LOST, "node preempted"
-        if "node has died" in str(err).lower():
+        cause, why = why_agent_died(err)
+        if cause is Cause.AGENT_DIED and self.node_gone(i):
             return Cause.NODE_LOST, "node lost"
-        if self.node_gone(i):
-            return Cause.NODE_LOST, "node lost"
-        return Cause.AGENT_DIED, "agent died"
+        return cause, why
 
     def node_gone(self, i: int) -> bool:
         """Host `i`'s Ray node no longer answers (its raylet refuses connections); False when unknown."""
