@@ -12,14 +12,17 @@ runtime-env agents for its host agents' environment while those still sleep.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from support import cli_env, run_cli
+from tpulaunch.cluster.emulated import EMULATED_NODE_IP
 from tpulaunch.errors import ExitCode
 
 SLOW_AGENT = """
@@ -78,6 +81,24 @@ if (sys.argv and sys.argv[0].endswith(os.path.join("runtime_env", "agent", "main
 """
 
 
+def _env_agent_port(cluster_dir: str, host: int) -> int:
+    """The runtime-env agent port written ahead for an emulated host (host 0 is the head, in `ray/`)."""
+    node_dir = "ray" if host == 0 else f"s0w{host}"
+    (path,) = glob.glob(f"{cluster_dir}/{node_dir}/session_latest/runtime_env_agent_port_*")
+    return int(Path(path).read_text())
+
+
+def _wait_listening(port: int, wait_s: float = 120.0) -> None:
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            socket.create_connection((EMULATED_NODE_IP, port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < end, f"nothing listens on {EMULATED_NODE_IP}:{port}"
+            time.sleep(0.2)
+
+
 @pytest.mark.lifecycle
 def test_a_node_that_dies_as_its_host_agent_starts_is_that_hosts_loss(tmp_path):
     """A deployment's own `agent_register_timeout_ms` (10 s here) is kept, and host 1's runtime-env
@@ -93,6 +114,8 @@ def test_a_node_that_dies_as_its_host_agent_starts_is_that_hosts_loss(tmp_path):
         up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none", "--json",
                      env=env, timeout=300)
         assert up.returncode == 0, up.stderr[-3000:]
+        record = json.loads((tmp_path / "home" / "cluster.json").read_text())
+        _wait_listening(_env_agent_port(record["temp_dir"], host=0))  # host 0's is up (10 s is short)
         (tmp_path / "hi.py").write_text("print('hi', flush=True)\n")
         run = run_cli("run", "hi.py", "--address", "auto", "--framework", "none", "--max-restarts", "0", "--json",
                       "--log-dir", str(tmp_path / "runs"), env=env, cwd=tmp_path, timeout=300)
