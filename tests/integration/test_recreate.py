@@ -110,12 +110,14 @@ def wait_for_end(cloud, run_id: str, timeout: float) -> subprocess.CompletedProc
 
 def vm_ray_logs(cloud) -> str:
     """The end of every fake VM's raylet logs, each session's (the fake keeps a VM's /tmp at
-    `<path>-vm<slice>-<worker>` here; `cluster down` removes them)."""
+    `<path>-vm<slice>-<worker>` here; `cluster down` removes them), without Ray's periodic state
+    dumps, which would crowd out the lines that say why a raylet ended."""
     out = []
     vms = Path(cloud["temp_dir"])
     for log in sorted(vms.parent.glob(vms.name + "-vm*/session_2*/logs/raylet.*")):
         if log.suffix in (".out", ".err") and log.stat().st_size:
-            out.append(f"--- {log} ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]))
+            said = [ln for ln in log.read_text(errors="replace").splitlines() if not ln.startswith("[state-dump]")]
+            out.append(f"--- {log} ---\n" + "\n".join(said[-25:]))
     return "\n".join(out)
 
 
