@@ -32,7 +32,7 @@ import os
 import sys
 import traceback
 
-from tpulaunch.cluster.worker_start import early_agent_ports, patient_agents, patient_get_node
+from tpulaunch.cluster.worker_start import patient_node_start
 
 
 def _params(node: dict):  # noqa: ANN202 - a ray._private.parameter.RayParams
@@ -99,9 +99,9 @@ def main() -> int:
     import ray._private.node  # noqa: F401 - while the head comes up, for a helper of joining nodes
 
     _private_dirs()
-    patient_get_node()  # Ray's `Node()` waits for each raylet spinning a core, and only 30 s (worker_start says why)
-    early_agent_ports()  # ... and each raylet for its agents' ports, only 15 s: they are known here
-    patient_agents()  # ... and for its runtime-env agent, only 30 s
+    # Ray's `Node()` waits for each raylet spinning a core, and only 30 s; each raylet for its agents'
+    # ports only 15 s, and for its runtime-env agent only 30 s (worker_start says why)
+    patient_node_start()
     address = None
     for node in batch["nodes"]:
         if not node["head"]:

@@ -139,10 +139,17 @@ def free_low_port(taken: Container[int] = ()) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def patient_node_start() -> None:
+    """All of the above, before this process starts Ray nodes (`ray start` here, `Node()` in
+    `cluster/nodes.py`): a patient wait for each raylet, its agents' ports chosen ahead, and a
+    raylet patient with its runtime-env agent."""
     patient_get_node()
-    patient_agents()
     early_agent_ports()
+    patient_agents()
+
+
+if __name__ == "__main__":
+    patient_node_start()
     from ray.scripts.scripts import main
 
     sys.argv[0] = "ray"
