@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import pytest
 from support import cli_env, run_cli
 from tpulaunch.cluster.emulated import EMULATED_NODE_IP
 from tpulaunch.errors import ExitCode
+from tpulaunch.run.fleet import reachable
 
 SLOW_AGENT = """
 import os, sys, time
@@ -39,13 +39,19 @@ def _lines(path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
+def _hooked_env(tmp_path: Path, hook: str, **more: str) -> tuple[dict, Path]:
+    """The CLI's environment with `hook` (a format string of `marker`) as every Python process's
+    `sitecustomize`, and the marker file the hook writes."""
+    site, marker = tmp_path / "hook", tmp_path / "slept.txt"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(hook.format(marker=str(marker)))
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return cli_env(TPULAUNCH_HOME=str(tmp_path / "home"), PYTHONPATH=path, **more), marker
+
+
 @pytest.mark.lifecycle
 def test_agents_slower_than_their_raylets_waits_do_not_stop_its_node(tmp_path):
-    hook, marker = tmp_path / "hook", tmp_path / "slept.txt"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_AGENT.format(marker=str(marker)))
-    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
-    env = cli_env(TPULAUNCH_HOME=str(tmp_path / "home"), PYTHONPATH=path)
+    env, marker = _hooked_env(tmp_path, SLOW_AGENT)
     try:
         up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none", "--json",
                      env=env, timeout=300)
@@ -90,13 +96,9 @@ def _env_agent_port(cluster_dir: str, host: int) -> int:
 
 def _wait_listening(port: int, wait_s: float = 120.0) -> None:
     end = time.monotonic() + wait_s
-    while True:
-        try:
-            socket.create_connection((EMULATED_NODE_IP, port), timeout=1).close()
-            return
-        except OSError:
-            assert time.monotonic() < end, f"nothing listens on {EMULATED_NODE_IP}:{port}"
-            time.sleep(0.2)
+    while not reachable(f"{EMULATED_NODE_IP}:{port}"):
+        assert time.monotonic() < end, f"nothing listens on {EMULATED_NODE_IP}:{port}"
+        time.sleep(0.2)
 
 
 @pytest.mark.lifecycle
@@ -105,11 +107,7 @@ def test_a_node_that_dies_as_its_host_agent_starts_is_that_hosts_loss(tmp_path):
     agent sleeps past it: its raylet exits as the run's host agents start. Host 1 is lost, said in
     one line with Ray's reason, exit 75, every host's log kept (before: "internal error:
     ActorDiedError ... This is a tpulaunch bug")."""
-    hook, marker = tmp_path / "hook", tmp_path / "slept.txt"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HOST_1_ENV_AGENT_ASLEEP.format(marker=str(marker)))
-    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
-    env = cli_env(TPULAUNCH_HOME=str(tmp_path / "home"), PYTHONPATH=path, RAY_agent_register_timeout_ms="10000")
+    env, marker = _hooked_env(tmp_path, HOST_1_ENV_AGENT_ASLEEP, RAY_agent_register_timeout_ms="10000")
     try:
         up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none", "--json",
                      env=env, timeout=300)
