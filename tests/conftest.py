@@ -41,7 +41,7 @@ def shared_cluster(tmp_path_factory):
     Yields {"env": env reaching it (TPULAUNCH_HOME), "info": the `cluster up --json` document}.
     """
     # no dashboard: its tests start no detached run (Ray jobs, which the side cluster's tests start)
-    with emulated_cluster(tmp_path_factory.mktemp("tpl-home"), *SHARED) as cluster:
+    with emulated_cluster(tmp_path_factory.mktemp("tpl-home"), *SHARED, "--no-dashboard") as cluster:
         yield cluster
 
 

@@ -53,8 +53,8 @@ def _hooked_env(tmp_path: Path, hook: str, **more: str) -> tuple[dict, Path]:
 def test_agents_slower_than_their_raylets_waits_do_not_stop_its_node(tmp_path):
     env, marker = _hooked_env(tmp_path, SLOW_AGENT)
     try:
-        up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none", "--json",
-                     env=env, timeout=300)
+        up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none",
+                     "--no-dashboard", "--json", env=env, timeout=300)
         assert up.returncode == 0, up.stderr[-3000:]
         # a run at once: each host's agent (an actor with a runtime env) asks its raylet for a worker,
         # and the raylet asks the runtime-env agent, still asleep, for the environment
@@ -109,8 +109,8 @@ def test_a_node_that_dies_as_its_host_agent_starts_is_that_hosts_loss(tmp_path):
     ActorDiedError ... This is a tpulaunch bug")."""
     env, marker = _hooked_env(tmp_path, HOST_1_ENV_AGENT_ASLEEP, RAY_agent_register_timeout_ms="10000")
     try:
-        up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none", "--json",
-                     env=env, timeout=300)
+        up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none",
+                     "--no-dashboard", "--json", env=env, timeout=300)
         assert up.returncode == 0, up.stderr[-3000:]
         record = json.loads((tmp_path / "home" / "cluster.json").read_text())
         _wait_listening(_env_agent_port(record["temp_dir"], host=0))  # host 0's is up (10 s is short)
