@@ -1,19 +1,30 @@
 """`tpulaunch run --tpu NAME` against the fake Cloud TPU API, with no TPU and no Ray cluster:
-the discovered topology is emulated on this machine, and the output says so."""
+the discovered topology is emulated on this machine, and the output says so.
+
+That cold run (its own emulated cluster) is started as a CI step would, leading its own process
+group: it returns only once every process it started has exited, so a step that kills its group
+right after sees nothing of it. Its script closes its stdout before a clean exit: the host's exit
+code is still the script's, 0."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 
+import pytest
 from fakes.tpu_api_server import FakeTpuApi, standard_nodes, standard_queued_resources
 
 from support import cli_env, run_cli
 
 SCRIPT = """
+    import sys
     import tpulaunch
     ctx = tpulaunch.context()
     print("on", ctx.slice_name, ctx.accelerator_type, ctx.topology, "host", ctx.process_index, "emulated", ctx.emulated)
+    sys.stdout.close()
 """
 
 
@@ -22,6 +33,7 @@ def _env(tmp_path, api):
     return cli_env(TPULAUNCH_TPU_API_ENDPOINT=api.url, TPULAUNCH_HOME=str(tmp_path / "tpl"))
 
 
+@pytest.mark.lifecycle
 def test_discovered_slice_is_emulated_when_no_cluster_is_given(tmp_path):
     (tmp_path / "where.py").write_text(textwrap.dedent(SCRIPT))
     with FakeTpuApi(standard_nodes(), standard_queued_resources()) as api:
@@ -36,12 +48,32 @@ def test_discovered_slice_is_emulated_when_no_cluster_is_given(tmp_path):
         assert "emulating the discovered slice my-v4 (v4-32, 2x2x4)" in dry.stderr
 
         # run on the fake's 2-host slice (a 7x one, described by its acceleratorConfig alone)
-        run = run_cli("run", "where.py", "--tpu", "my-v7x", "--zone", "us-central1-c", "--project", "p",
-                      "--framework", "none", "--log-dir", str(tmp_path / "runs"), cwd=tmp_path, env=env, timeout=400)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "EMULATED slice" in run.stderr and "emulating the discovered slice my-v7x (tpu7x-16, 2x2x2)" in run.stderr
+        run = subprocess.Popen([sys.executable, "-m", "tpulaunch", "run", "where.py", "--tpu", "my-v7x", "--zone",
+                                "us-central1-c", "--project", "p", "--framework", "none", "--log-dir",
+                                str(tmp_path / "runs")], cwd=tmp_path, env=env, start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = run.communicate(timeout=400)
+    assert run.returncode == 0, err[-3000:]
+    assert _process_group(run.pid) == [], "left in the run's process group"
+    assert "EMULATED slice" in err and "emulating the discovered slice my-v7x (tpu7x-16, 2x2x2)" in err
     for i in range(2):
-        assert f"[host {i}] on my-v7x tpu7x-16 2x2x2 host {i} emulated True" in run.stdout, run.stdout
+        assert f"[host {i}] on my-v7x tpu7x-16 2x2x2 host {i} emulated True" in out, out
+
+
+def _process_group(pgid: int) -> list[tuple[int, str, str]]:
+    """Every process in the group `pgid`: (pid, state, comm); zombies too, as a process not yet waited
+    for is still in it."""
+    group = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+                comm = open(f"/proc/{entry}/comm").read().strip()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                group.append((int(entry), fields[0], comm))
+    return group
 
 
 def test_flags_that_contradict_the_discovered_slice_are_an_error(tmp_path):
