@@ -34,10 +34,12 @@ def test_planning_and_the_adapters_load_no_framework_and_no_ray():
     assert json.loads(proc.stdout) == [[], []]
 
 
-def test_importing_tpulaunch_does_not_import_ray_train():
-    code = "import sys, tpulaunch; print('ray.train' in sys.modules, 'ray' in sys.modules)"
+def test_importing_tpulaunch_or_ray_train_planning_imports_no_ray():
+    code = ("import sys, tpulaunch; a = ['ray.train' in sys.modules, 'ray' in sys.modules]\n"
+            "from tpulaunch.ray_train import plan_for_workers  # pure: ray_train/planning.py\n"
+            "print(*a, 'ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False"]
+    assert out.split() == ["False", "False", "False"]
 
 
 def test_jax_trainers_config_imports_no_torch():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpulaunch.errors import LaunchError, MeshError
-from tpulaunch.ray_train import JaxSpmdConfig, WorkerFacts, plan_for_workers
+from tpulaunch.ray_train import WorkerFacts, plan_for_workers  # pure: no Ray Train (ray_train/planning.py)
 
 
 def _facts(order: list[int], slices: tuple[str, ...] = ("s",), pod="v6e-16", topo="4x4", tpu=False) -> list[WorkerFacts]:
@@ -60,8 +60,9 @@ def test_workers_that_are_not_one_per_host_are_refused(facts, words):
 
 
 def test_bad_mesh_syntax_fails_on_the_driver():
-    from tpulaunch.ray_train import XlaSpmdConfig  # here, not at the top: it imports torch and Ray Train, 4 s
-    # that every pytest process of `./scripts/test` would spend collecting the suite
+    # here, not at the top: they import torch and Ray Train, 4 s that every pytest process of
+    # `./scripts/test` would spend collecting the suite
+    from tpulaunch.ray_train import JaxSpmdConfig, XlaSpmdConfig
 
     with pytest.raises(MeshError):
         XlaSpmdConfig(mesh="data=four")

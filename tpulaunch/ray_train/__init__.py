@@ -23,32 +23,32 @@ again, with `context().restart_count` counting up. A worker that cannot boot fai
 tpulaunch's one-line reason (Ray does not retry a failed backend start).
 
 Needs `pip install 'tpulaunch[raytrain]'`; `import tpulaunch` does not import this package.
-`backends` plans and boots the workers and holds `JaxSpmdConfig`; the torch configs are in
-`torch_configs` (a `TorchConfig` cannot be defined without importing torch) and are imported
-here on first use, so a `JaxTrainer`'s driver, controller and workers never import torch (4.5
-CPU-s each on 2-core machines, and a JAX-only environment has none).
+`planning` plans a worker group from what its workers report (pure: no Ray); `backends` asks the
+workers, boots them and holds `JaxSpmdConfig`; the torch configs are in `torch_configs` (a
+`TorchConfig` cannot be defined without importing torch). The configs are imported here on first
+use: planning alone imports no Ray Train, and a `JaxTrainer`'s driver, controller and workers never
+import torch (4.5 CPU-s each on 2-core machines, and a JAX-only environment has none).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tpulaunch.ray_train.backends import (
-    JaxSpmdConfig,
-    SliceSetupError,
-    WorkerFacts,
-    local_indices,
-    plan_for_workers,
-)
+from tpulaunch.ray_train.planning import WorkerFacts, local_indices, plan_for_workers
 
 __all__ = ["JaxSpmdConfig", "SliceSetupError", "TorchTpuConfig", "WorkerFacts", "XlaSpmdConfig", "local_indices",
            "plan_for_workers"]
 
 
 def __getattr__(name: str) -> Any:
-    """`XlaSpmdConfig` and `TorchTpuConfig` (torch's configs): imported on first use."""
+    """The configs and `SliceSetupError` (Ray Train's, and torch's for the torch configs): imported on
+    first use."""
     if name in ("XlaSpmdConfig", "TorchTpuConfig"):
         from tpulaunch.ray_train import torch_configs
 
         return getattr(torch_configs, name)
+    if name in ("JaxSpmdConfig", "SliceSetupError"):
+        from tpulaunch.ray_train import backends
+
+        return getattr(backends, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
