@@ -9,7 +9,6 @@ scripts/bench.d/mesh_scores.py.
 from __future__ import annotations
 
 import numpy as np
-from jax._src import mesh_utils
 
 from tpulaunch.plan.topology import Topology
 
@@ -38,10 +37,18 @@ def devices(t: Topology, num_slices: int = 1) -> list[FakeTpuDevice]:
     return out
 
 
+def _mesh_utils():
+    """JAX's module, imported when first asked for: importing JAX costs 1.3 CPU-s, which every pytest
+    process of `./scripts/test` would otherwise spend collecting the suite."""
+    from jax._src import mesh_utils
+
+    return mesh_utils
+
+
 def jax_ids(t: Topology, shape: tuple[int, ...], **kw) -> np.ndarray | None:
     """mesh_utils' layout of one slice as plan device ids, or None where it builds none."""
     try:
-        mesh = mesh_utils.create_device_mesh(shape, devices(t), **kw)
+        mesh = _mesh_utils().create_device_mesh(shape, devices(t), **kw)
     except (NotImplementedError, ValueError, AssertionError, TypeError):
         return None  # refused (TypeError: its split-axes search fails on a dimension with a factor 7, as 4x4x28)
     return np.vectorize(lambda d: d.id)(mesh)
@@ -49,7 +56,7 @@ def jax_ids(t: Topology, shape: tuple[int, ...], **kw) -> np.ndarray | None:
 
 def hybrid(t: Topology, ici_shape: tuple[int, ...], dcn_shape: tuple[int, ...], num_slices: int) -> np.ndarray:
     """mesh_utils' hybrid (multislice) mesh, as FakeTpuDevices."""
-    return mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices(t, num_slices),
+    return _mesh_utils().create_hybrid_device_mesh(ici_shape, dcn_shape, devices(t, num_slices),
                                                 allow_split_physical_axes=True)
 
 
