@@ -1,5 +1,6 @@
-"""Ray Train backends for TPU slices: plan a worker group as the slice it runs on, boot each worker
-as that slice's host (see the package's docstring), and `JaxSpmdConfig`."""
+"""Ray Train backends for TPU slices: ask each worker where it runs, plan the group as that slice
+(`planning.plan_for_workers`), boot each worker as the slice's host (see the package's docstring),
+and `JaxSpmdConfig`."""
 
 from __future__ import annotations
 
