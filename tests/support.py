@@ -48,16 +48,19 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
 
 
 @contextmanager
-def emulated_cluster(home: Path, *args: str):
-    """`tpulaunch cluster up ARGS --json` under TPULAUNCH_HOME=home, then `cluster down`.
+def emulated_cluster(home: Path, *args: str, **extra_env: str):
+    """`tpulaunch cluster up ARGS --json` under TPULAUNCH_HOME=home (and `extra_env`), then
+    `cluster down`, also when the body fails (its failure is the one reported).
 
     Yields {"env": env reaching it, "info": the `cluster up --json` document, "home": home}.
     """
-    env = cli_env(TPULAUNCH_HOME=str(home))
-    up = run_cli("cluster", "up", *args, "--json", env=env, timeout=300)
-    assert up.returncode == 0, up.stderr
-    yield {"env": env, "info": json.loads(up.stdout), "home": home}
-    down = run_cli("cluster", "down", env=env, timeout=120)
+    env = cli_env(TPULAUNCH_HOME=str(home), **extra_env)
+    try:
+        up = run_cli("cluster", "up", *args, "--json", env=env, timeout=300)
+        assert up.returncode == 0, up.stderr
+        yield {"env": env, "info": json.loads(up.stdout), "home": home}
+    finally:
+        down = run_cli("cluster", "down", env=env, timeout=120)
     assert down.returncode == 0, down.stderr
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from support import cli_env, run_cli
+from support import emulated_cluster, run_cli
 from tpulaunch.cluster.emulated import EMULATED_NODE_IP
 from tpulaunch.errors import ExitCode
 from tpulaunch.run.fleet import reachable
@@ -39,23 +39,23 @@ def _lines(path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-def _hooked_env(tmp_path: Path, hook: str, **more: str) -> tuple[dict, Path]:
-    """The CLI's environment with `hook` (a format string of `marker`) as every Python process's
+UP = ("--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none", "--no-dashboard")
+
+
+def _hooked(tmp_path: Path, hook: str) -> tuple[str, Path]:
+    """A PYTHONPATH with `hook` (a format string of `marker`) as every Python process's
     `sitecustomize`, and the marker file the hook writes."""
     site, marker = tmp_path / "hook", tmp_path / "slept.txt"
     site.mkdir()
     (site / "sitecustomize.py").write_text(hook.format(marker=str(marker)))
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    return cli_env(TPULAUNCH_HOME=str(tmp_path / "home"), PYTHONPATH=path, **more), marker
+    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p), marker
 
 
 @pytest.mark.lifecycle
 def test_agents_slower_than_their_raylets_waits_do_not_stop_its_node(tmp_path):
-    env, marker = _hooked_env(tmp_path, SLOW_AGENT)
-    try:
-        up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none",
-                     "--no-dashboard", "--json", env=env, timeout=300)
-        assert up.returncode == 0, up.stderr[-3000:]
+    path, marker = _hooked(tmp_path, SLOW_AGENT)
+    with emulated_cluster(tmp_path / "home", *UP, PYTHONPATH=path) as cluster:
+        env = cluster["env"]
         # a run at once: each host's agent (an actor with a runtime env) asks its raylet for a worker,
         # and the raylet asks the runtime-env agent, still asleep, for the environment
         (tmp_path / "hi.py").write_text("print('hi', flush=True)\n")
@@ -72,9 +72,6 @@ def test_agents_slower_than_their_raylets_waits_do_not_stop_its_node(tmp_path):
         assert status.returncode == 0, status.stderr
         hosts = [h for s in json.loads(status.stdout)["slices"] for h in s["hosts"]]
         assert len(hosts) == 2 and all(h["alive"] for h in hosts), hosts  # ... and their nodes lived on
-    finally:
-        down = run_cli("cluster", "down", env=env, timeout=120)
-    assert down.returncode == 0, down.stderr
 
 
 HOST_1_ENV_AGENT_ASLEEP = """
@@ -107,11 +104,9 @@ def test_a_node_that_dies_as_its_host_agent_starts_is_that_hosts_loss(tmp_path):
     agent sleeps past it: its raylet exits as the run's host agents start. Host 1 is lost, said in
     one line with Ray's reason, exit 75, every host's log kept (before: "internal error:
     ActorDiedError ... This is a tpulaunch bug")."""
-    env, marker = _hooked_env(tmp_path, HOST_1_ENV_AGENT_ASLEEP, RAY_agent_register_timeout_ms="10000")
-    try:
-        up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v5p", "--prewarm", "none",
-                     "--no-dashboard", "--json", env=env, timeout=300)
-        assert up.returncode == 0, up.stderr[-3000:]
+    path, marker = _hooked(tmp_path, HOST_1_ENV_AGENT_ASLEEP)
+    with emulated_cluster(tmp_path / "home", *UP, PYTHONPATH=path, RAY_agent_register_timeout_ms="10000") as cluster:
+        env = cluster["env"]
         record = json.loads((tmp_path / "home" / "cluster.json").read_text())
         _wait_listening(_env_agent_port(record["temp_dir"], host=0))  # host 0's is up (10 s is short)
         (tmp_path / "hi.py").write_text("print('hi', flush=True)\n")
@@ -129,6 +124,3 @@ def test_a_node_that_dies_as_its_host_agent_starts_is_that_hosts_loss(tmp_path):
         status = run_cli("cluster", "status", "--json", env=env, timeout=120)
         hosts = [h for sl in json.loads(status.stdout)["slices"] for h in sl["hosts"]]
         assert [h["alive"] for h in sorted(hosts, key=lambda h: h["worker_id"])] == [True, False], hosts
-    finally:
-        down = run_cli("cluster", "down", env=env, timeout=120)
-    assert down.returncode == 0, down.stderr
