@@ -61,7 +61,8 @@ def plan_for_workers(
     pod_type, topo_text = kinds.pop()
     if not pod_type:
         raise LaunchError(f"the TPU hosts carry no {POD_TYPE} label", "start Ray on the TPU hosts with their TPU env")
-    per_device = getattr(frameworks.get(framework), "processes_per_device", False)
+    fw = frameworks.get(framework)
+    per_device = getattr(fw, "processes_per_device", False)
     slices = []
     for index, name in enumerate(names):
         mine = sorted((f for f in facts if f.slice_name == name), key=lambda f: f.worker_id or 0)
@@ -86,7 +87,6 @@ def plan_for_workers(
                 raise LaunchError(f"TPU worker {wid} of slice {name} has {n} Ray Train workers, not one per device"
                                   f" ({topology.devices_per_host})", _ONE_PER_DEVICE)
     emulated = slices[0].emulated
-    fw = frameworks.get(framework)
     plan = build_plan(
         slices=slices, mesh=plan_mesh(topology, mesh, dcn, len(slices), placement), script="<ray-train>",
         framework=framework, run_id=run_id, coordinator_port=ports[0],
