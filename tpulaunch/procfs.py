@@ -80,6 +80,13 @@ class Process:
         except (OSError, IndexError, ValueError):
             return None
 
+    def pgid(self) -> int | None:
+        """Its process group; None when gone."""
+        try:
+            return int(self._stat()[2])
+        except (OSError, IndexError, ValueError):
+            return None
+
     def uid(self) -> int | None:
         """The real user id it runs as; None when gone."""
         try:

@@ -9,7 +9,6 @@ code is still the script's, 0."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import pytest
 from fakes.tpu_api_server import FakeTpuApi, standard_nodes, standard_queued_resources
 
 from support import cli_env, run_cli
+from tpulaunch import procfs
 
 SCRIPT = """
     import sys
@@ -61,19 +61,9 @@ def test_discovered_slice_is_emulated_when_no_cluster_is_given(tmp_path):
 
 
 def _process_group(pgid: int) -> list[tuple[int, str, str]]:
-    """Every process in the group `pgid`: (pid, state, comm); zombies too, as a process not yet waited
+    """Every process in the group `pgid`: (pid, state, name); zombies too, as a process not yet waited
     for is still in it."""
-    group = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-                comm = open(f"/proc/{entry}/comm").read().strip()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:
-                group.append((int(entry), fields[0], comm))
-    return group
+    return [(p.pid, p.state(), p.name()) for p in procfs.processes() if p.pgid() == pgid]
 
 
 def test_flags_that_contradict_the_discovered_slice_are_an_error(tmp_path):

@@ -19,3 +19,9 @@ def test_subtree_sees_what_the_walk_of_all_of_proc_sees():
     assert os.getpid() in procfs.subtree(parent)[parent]
     assert set(procfs.descendants(parent)) == set(procfs.descendants(parent, procfs.children_map()))
     assert procfs.subtree(2**22 + 11) == {}
+
+
+def test_a_processs_group_is_the_kernels():
+    me = procfs.Process(os.getpid())
+    assert me.pgid() == os.getpgrp() and me.ppid() == os.getppid()
+    assert procfs.Process(2**22 + 11).pgid() is None  # beyond pid_max: gone
