@@ -60,15 +60,31 @@ def _params(node: dict):  # noqa: ANN202 - a ray._private.parameter.RayParams
     return params
 
 
+def _node_type() -> type:
+    """Ray's `Node`, less one process on a head without a dashboard.
+
+    Without a dashboard, Ray starts its dashboard process anyway, with one module: usage stats
+    (`services.start_api_server`, `--modules-to-load=UsageStatsHead`), which report nothing here
+    (every node has RAY_USAGE_STATS_ENABLED=0). It costs a Python process with aiohttp and grpc
+    imported (about 1.3 CPU-s at every cold `tpulaunch run`) and serves no API a run uses; Ray
+    tolerates its absence, as when it fails to start (`include_dashboard=False` raises nothing)."""
+    import ray._private.node
+
+    class Node(ray._private.node.Node):
+        def start_api_server(self, *, include_dashboard: bool | None, raise_on_failure: bool) -> None:
+            if include_dashboard is not False or os.environ.get("RAY_USAGE_STATS_ENABLED") != "0":
+                super().start_api_server(include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
+
+    return Node
+
+
 def start_node(node: dict) -> str:
     """Construct one Ray node (head or worker) with `node["env"]` set; returns the GCS address."""
-    import ray._private.node
     from ray._private.utils import write_ray_address
 
     os.environ.update(node["env"])  # read while the node resolves its resources, inherited by its processes
     try:
-        started = ray._private.node.Node(_params(node), head=node["head"], shutdown_at_exit=False,
-                                         spawn_reaper=False)
+        started = _node_type()(_params(node), head=node["head"], shutdown_at_exit=False, spawn_reaper=False)
     finally:
         for k in node["env"]:
             os.environ.pop(k, None)
