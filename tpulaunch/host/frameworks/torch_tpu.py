@@ -47,15 +47,22 @@ class TorchTPU:
         """torch, without its device backends: with torch-tpu installed, `import torch` would load it
         (the `torch.backends` entry point), and it sets up the `tpu` device when it finds chips.
         This import is shared (a spare's, the host process's that forks one process per device):
-        each device's process loads the backend itself, in its own environment (`boot`)."""
+        each device's process loads the backend itself, in its own environment (`boot`).
+
+        Also what every FSDP2 / DTensor training process imports on its way: `fully_shard`, DCP,
+        and torch._dynamo, which an optimizer's first `step()` imports (1.5 CPU-s here): once per
+        host, not once per device (8 on a v7x host)."""
         if "torch" in sys.modules:
             return
         was = os.environ.get(AUTOLOAD)
         os.environ[AUTOLOAD] = "0"
         try:
             import torch  # noqa: F401
+            import torch._dynamo  # noqa: F401
             import torch.distributed  # noqa: F401
+            import torch.distributed.checkpoint  # noqa: F401
             import torch.distributed.device_mesh  # noqa: F401
+            import torch.distributed.fsdp  # noqa: F401
         finally:
             if was is None:
                 os.environ.pop(AUTOLOAD, None)
