@@ -39,7 +39,8 @@ def check_environment() -> None:
 
 # Read on the hosts (from the host's environment: the node's, or --env): checked on the driver too.
 HOST_SECONDS = {"TPULAUNCH_DIST_TIMEOUT": 300.0, "TPULAUNCH_JAX_INIT_TIMEOUT": 300.0,
-                "TPULAUNCH_JAX_SHUTDOWN_TIMEOUT": 30.0}
+                "TPULAUNCH_JAX_SHUTDOWN_TIMEOUT": 30.0,
+                "TPULAUNCH_EXIT_HANDLERS_TIMEOUT": 10.0}  # a failed script's atexit handlers and threads
 
 
 def seconds(name: str, default: float, raw: str | None = None) -> float:

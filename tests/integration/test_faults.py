@@ -32,9 +32,13 @@ HOSTS = SHARED_HOSTS
 
 SCRIPTS = {
     "crash.py": """
-        import sys, time, tpulaunch
+        import atexit, sys, time, tpulaunch
         if tpulaunch.context().process_index == 1:
             print("host 1 giving up", flush=True)
+            def on_exit():  # runs, as at a plain exit, but never ends: the failed host leaves anyway
+                print("host 1 exit handler", flush=True)
+                time.sleep(600)
+            atexit.register(on_exit)
             sys.exit(3)
         print("sleeping", flush=True)
         time.sleep(600)
@@ -196,13 +200,16 @@ def _shared(shared_cluster, workdir, tmp_path, script, *flags, env_extra=None):
 
 @pytest.mark.cluster
 def test_host_script_crash_blames_that_host(shared_cluster, workdir, tmp_path):
-    rc, s = _shared(shared_cluster, workdir, tmp_path, "crash.py", "--no-dist").finish()
+    rc, s = _shared(shared_cluster, workdir, tmp_path, "crash.py", "--no-dist", "--env", "TPULAUNCH_EXIT_HANDLERS_TIMEOUT=2").finish()
     assert rc == 3 and s["exit_code"] == 3
     f = s["first_failure"]
     assert (f["process_index"], f["reason"]) == (1, "exit 3")
     assert all(h["stopped_by_tpulaunch"] and h["exit_code"] == 143 for h in s["hosts"] if h["process_index"] != 1)
     _assert_logs(s, 1)
-    assert "host 1 giving up" in Path(f["log"]).read_text()
+    log = Path(f["log"]).read_text()
+    assert "host 1 giving up" in log and "host 1 exit handler" in log
+    assert ("tpulaunch: host 1: the script's exit handlers and threads were still running 2 s after it failed"
+            " (TPULAUNCH_EXIT_HANDLERS_TIMEOUT); leaving") in log
     _assert_nothing_left(s["run_id"])
     # the slice is free again for the next run
     status = json.loads(run_cli("cluster", "status", "--json", env=shared_cluster["env"]).stdout)

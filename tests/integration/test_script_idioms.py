@@ -123,6 +123,15 @@ SCRIPTS = {
             state = {"w": target}
             dist_cp.load(state_dict=state, storage_reader=dist_cp.FileSystemReader(path), planner=xc.SPMDLoadPlanner())
             print(f"LOADED equal={torch.equal(state['w'].cpu(), wt.cpu())}", flush=True)
+
+        # on the way out, as from `python minibatch_ckpt.py`: the non-daemon thread is waited for,
+        # then the atexit handler runs (where wandb, TensorBoard writers, async checkpointers finish)
+        import atexit, threading, time
+        def upload():
+            time.sleep(0.5)
+            print("EXIT thread done", flush=True)
+        threading.Thread(target=upload).start()
+        atexit.register(lambda: print(f"EXIT atexit {xr.process_index()}", flush=True))
     """,
 }
 
@@ -202,6 +211,9 @@ def test_minibatch_input_forms_the_global_batch_and_checkpoints_restore(shared_c
             assert send[i].startswith(want_send + " sharding={devices=[2,1,4]")
             assert uneven[i] == "When minibatch is configured, the per-host batch size must be divisible by local runtime device count"
         assert proc.stdout.count(f"] {verdict}") == HOSTS, proc.stdout[-2000:]
+        for i in range(HOSTS):  # the script's thread, then its atexit handler
+            mine = re.findall(rf"^\[host {i}\] EXIT (.*)$", proc.stdout, re.M)
+            assert mine == ["thread done", f"atexit {i}"], proc.stdout[-2000:]
     assert (ckpt / ".metadata").exists()
 
 

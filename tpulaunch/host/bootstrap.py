@@ -9,11 +9,13 @@ process group), installs `tpulaunch.context()` / `get_mesh()`, and runs the user
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
 import runpy
 import sys
+import threading
 import time
 import traceback
 
@@ -21,6 +23,7 @@ _T0 = time.time()  # this interpreter's start, near enough
 _SPARE = [False]  # this process was forked by a spare, its framework imported before the run
 _MARKER: list[int] = []  # the fd of the run's heartbeat file, held open (see _hold_run_marker)
 
+from tpulaunch import settings
 from tpulaunch.host import context as ctx_mod
 from tpulaunch.host import frameworks
 from tpulaunch.errors import ExitCode, TpulaunchError
@@ -133,11 +136,40 @@ def main(argv: list[str]) -> int:
         code = 1
     finally:
         _flush()
+        _exit_steps(code, state.process_index, local_rank)
         if code == 0:
             # A clean leave can be a barrier with the other hosts (jax.distributed.shutdown);
             # a failed host must leave at once so the launch fails fast.
             fw.shutdown()
     return code
+
+
+def _exit_steps(code: int, host: int, local_rank: int | None) -> None:
+    """What `python script.py` does on its way out before the interpreter's teardown (which this
+    process skips: `os._exit` below): wait for the script's non-daemon threads, then run its
+    atexit handlers (wandb, TensorBoard writers and async checkpointers finish there), in
+    Python's order. A failed host gives them TPULAUNCH_EXIT_HANDLERS_TIMEOUT and then leaves anyway,
+    so that the launch fails fast; after a clean script they take as long as they take, as they
+    would on a plain host (`--stall-timeout` or `--timeout` bound a host that never ends)."""
+    if code != 0:
+        name = "TPULAUNCH_EXIT_HANDLERS_TIMEOUT"
+        bound = settings.seconds(name, settings.HOST_SECONDS[name])  # checked on the driver
+
+        def leave() -> None:
+            print(f"tpulaunch: host {host}{_of_rank(local_rank)}: the script's exit handlers and threads were"
+                  f" still running {bound:g} s after it failed ({name}); leaving", file=sys.stderr)
+            _flush()
+            os._exit(code)
+
+        timer = threading.Timer(bound, leave)
+        timer.daemon = True
+        timer.start()
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # Python's own first exit step
+    except Exception:  # noqa: BLE001 - as Python's exit does: say so and go on
+        traceback.print_exc()
+    atexit._run_exitfuncs()  # prints what a handler raises, as at a plain exit
+    _flush()
 
 
 def _rank_main(argv: list[str]) -> int:
@@ -170,7 +202,8 @@ if __name__ == "__main__":
         if argv is None:
             os._exit(0)
         _SPARE[0] = True
-    # os._exit: skip interpreter teardown, where PJRT/gloo threads can hang after a clean run.
+    # os._exit: skip interpreter teardown, where PJRT/gloo threads can hang after a clean run (what a
+    # plain exit does before it, the script's threads and atexit handlers, `main` has done).
     rc = main(argv)
     _flush()
     os._exit(rc)
