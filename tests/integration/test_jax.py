@@ -207,6 +207,8 @@ def test_a_dying_host_fails_the_jax_launch_fast(shared_cluster, workdir, tmp_pat
         assert hosts[i]["stopped_by_tpulaunch"], hosts[i]
     for i in range(SHARED_HOSTS):
         assert "collective 16" in Path(hosts[i]["log"]).read_text()
+    # nor in JAX's own exit handler (the same barrier): host 1 left without the exit steps' bound
+    assert "exit handlers and threads were still running" not in Path(hosts[1]["log"]).read_text()
     status = json.loads(run_cli("cluster", "status", "--json", env=shared_cluster["env"]).stdout)
     assert not any(h["busy"] for h in status["slices"][0]["hosts"])
 

@@ -136,7 +136,7 @@ def main(argv: list[str]) -> int:
         code = 1
     finally:
         _flush()
-        _exit_steps(code, state.process_index, local_rank)
+        _exit_steps(code, fw, state.process_index, local_rank)
         if code == 0:
             # A clean leave can be a barrier with the other hosts (jax.distributed.shutdown);
             # a failed host must leave at once so the launch fails fast.
@@ -144,12 +144,13 @@ def main(argv: list[str]) -> int:
     return code
 
 
-def _exit_steps(code: int, host: int, local_rank: int | None) -> None:
+def _exit_steps(code: int, fw: frameworks.Framework, host: int, local_rank: int | None) -> None:
     """What `python script.py` does on its way out before the interpreter's teardown (which this
     process skips: `os._exit` below): wait for the script's non-daemon threads, then run its
     atexit handlers (wandb, TensorBoard writers and async checkpointers finish there), in
     Python's order. A failed host gives them TPULAUNCH_EXIT_HANDLERS_TIMEOUT and then leaves anyway,
-    so that the launch fails fast; after a clean script they take as long as they take, as they
+    so that the launch fails fast (and its framework's own barriers with the other hosts, such as
+    JAX's, are let go first); after a clean script they take as long as they take, as they
     would on a plain host (`--stall-timeout` or `--timeout` bound a host that never ends)."""
     if code != 0:
         name = "TPULAUNCH_EXIT_HANDLERS_TIMEOUT"
@@ -164,6 +165,9 @@ def _exit_steps(code: int, host: int, local_rank: int | None) -> None:
         timer = threading.Timer(bound, leave)
         timer.daemon = True
         timer.start()
+        let_go = getattr(fw, "leaving_after_failure", None)
+        if let_go is not None:
+            let_go()
     try:
         threading._shutdown()  # type: ignore[attr-defined]  # Python's own first exit step
     except Exception:  # noqa: BLE001 - as Python's exit does: say so and go on

@@ -46,6 +46,9 @@ class Framework(Protocol):
     def shutdown(self) -> None:
         """Leave cleanly (bounded in time)."""
 
+    # Optional: `leaving_after_failure()`, called when the script failed, before its exit handlers
+    # run: let go of what would wait at exit for the other hosts (JAX's atexit barrier).
+
 
 def check_size(where: str, have: int, unit: str, plan: "MeshPlan") -> None:
     """What the runtime counts (`have` devices, or processes: one per device) must be the planned

@@ -107,6 +107,18 @@ class Jax:
         grid = np.array([devices[i] for i in order], dtype=object).reshape(plan.shape)
         return Mesh(grid, plan.axis_names)
 
+    def leaving_after_failure(self) -> None:
+        """A failed host's exit does not wait for hosts that will not come: JAX's own atexit handler
+        (`jax._src.api.clean_up`) ends in `jax.distributed.shutdown()`, a barrier with every host,
+        which the others (still in their steps, soon stopped) never reach. The script's own
+        handlers still run."""
+        api = sys.modules.get("jax._src.api")
+        clean_up = getattr(api, "clean_up", None)
+        if clean_up is not None:
+            import atexit
+
+            atexit.unregister(clean_up)
+
     def shutdown(self) -> None:
         """`jax.distributed.shutdown()` (a barrier with every host), bounded in time."""
         if not self._initialized:
