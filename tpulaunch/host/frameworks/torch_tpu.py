@@ -13,6 +13,7 @@ slice. What differs: no `tpu` device (tensors live on the CPU), no compiled coll
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -58,11 +59,14 @@ class TorchTPU:
         os.environ[AUTOLOAD] = "0"
         try:
             import torch  # noqa: F401
-            import torch._dynamo  # noqa: F401
             import torch.distributed  # noqa: F401
-            import torch.distributed.checkpoint  # noqa: F401
             import torch.distributed.device_mesh  # noqa: F401
-            import torch.distributed.fsdp  # noqa: F401
+
+            for head_start in ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint"):
+                try:
+                    importlib.import_module(head_start)
+                except Exception:  # noqa: BLE001 - only a head start: a process that needs it says why
+                    pass
         finally:
             if was is None:
                 os.environ.pop(AUTOLOAD, None)
