@@ -74,18 +74,19 @@ class Process:
         except (OSError, IndexError):
             return ""
 
-    def ppid(self) -> int | None:
+    def _stat_number(self, field: int) -> int | None:
+        """Field `field` of its stat line after the name (0: state); None when gone."""
         try:
-            return int(self._stat()[1])
+            return int(self._stat()[field])
         except (OSError, IndexError, ValueError):
             return None
 
+    def ppid(self) -> int | None:
+        return self._stat_number(1)
+
     def pgid(self) -> int | None:
         """Its process group; None when gone."""
-        try:
-            return int(self._stat()[2])
-        except (OSError, IndexError, ValueError):
-            return None
+        return self._stat_number(2)
 
     def uid(self) -> int | None:
         """The real user id it runs as; None when gone."""
@@ -96,10 +97,7 @@ class Process:
 
     def start_ticks(self) -> int | None:
         """When it started, in clock ticks since boot: with the pid, names one process for ever."""
-        try:
-            return int(self._stat()[19])
-        except (OSError, IndexError, ValueError):
-            return None
+        return self._stat_number(19)
 
     def name(self) -> str:
         """Its command's name (argv[0] without the directory), for messages."""

@@ -200,7 +200,8 @@ def _shared(shared_cluster, workdir, tmp_path, script, *flags, env_extra=None):
 
 @pytest.mark.cluster
 def test_host_script_crash_blames_that_host(shared_cluster, workdir, tmp_path):
-    rc, s = _shared(shared_cluster, workdir, tmp_path, "crash.py", "--no-dist", "--env", "TPULAUNCH_EXIT_HANDLERS_TIMEOUT=2").finish()
+    rc, s = _shared(shared_cluster, workdir, tmp_path, "crash.py", "--no-dist",
+                    "--env", "TPULAUNCH_EXIT_HANDLERS_TIMEOUT=2").finish()
     assert rc == 3 and s["exit_code"] == 3
     f = s["first_failure"]
     assert (f["process_index"], f["reason"]) == (1, "exit 3")

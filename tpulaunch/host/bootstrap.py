@@ -173,7 +173,6 @@ def _exit_steps(code: int, fw: frameworks.Framework, host: int, local_rank: int 
     except Exception:  # noqa: BLE001 - as Python's exit does: say so and go on
         traceback.print_exc()
     atexit._run_exitfuncs()  # prints what a handler raises, as at a plain exit
-    _flush()
 
 
 def _rank_main(argv: list[str]) -> int:
