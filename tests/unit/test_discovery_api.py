@@ -165,6 +165,25 @@ def test_queued_resource_gives_one_spec_per_slice(api):
     assert specs[0].provenance["queued_resource_state"] == "ACTIVE"
 
 
+def test_a_queued_resources_slices_on_a_real_cluster_read_their_metadata_server(api, monkeypatch, tmp_path):
+    """A queued resource's nodes are TPU VMs: libtpu and torch_xla read the slice from the metadata
+    server there (with its torus wraparound, which the plan does not hold), as on any real slice, so
+    the plan tells no host to skip it."""
+    from tpulaunch import run
+
+    monkeypatch.setenv("TPULAUNCH_TPU_API_ENDPOINT", api.url)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("print(1)\n")
+    req = run.LaunchRequest(script="t.py", framework="none", workdir=str(tmp_path),
+                            slices=discovery.SliceRequest(queued_resource="ms-qr", zone=C2, project="p"))
+    plan = run.prepare(req, run.Target(None), discovery.ClusterSlices(False), None).plan
+    assert not plan.emulated and [s.name for s in plan.slices] == ["ms-0", "ms-1"]
+    for h in plan.hosts:
+        env = plan.env(h.process_index)
+        assert not {"TPU_SKIP_MDS_QUERY", "TPU_TOPOLOGY", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS"} & set(env)
+        assert env["MEGASCALE_NUM_SLICES"] == "2" and env["TPU_WORKER_HOSTNAMES"]
+
+
 def test_queued_resource_still_waiting_is_not_ready(api):
     with pytest.raises(SliceNotReadyError) as e:
         discovery.describe_queued_resource("waiting-qr", zone=C2, project="p", endpoint=api.url)

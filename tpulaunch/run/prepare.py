@@ -239,7 +239,9 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
         jax_coordinator_port=(free_port() if emulated else port + 1) if fw == "jax" else None,
         emulated=emulated, emulation_env=frameworks.get(fw).emulation_env(resolved.topology, resolved.num_slices),
         emulation_port=free_port() if emulated else None,
-        metadata_server=(resolved.source in ("metadata", "ray")), distributed=req.distributed and not req.command,
+        # every real host is a TPU VM whose metadata server knows its slice (torus wraparound and
+        # more than the plan holds): a queued resource's nodes too, however they were found
+        metadata_server=not emulated, distributed=req.distributed and not req.command,
         log_dir=str((Path(req.log_dir) / run_id).resolve()), workdir=str(workdir), command=tuple(req.command),
         python=req.python,
         compile_cache=None if (req.no_compile_cache or req.command) else (
