@@ -71,6 +71,28 @@ def test_bad_mesh_syntax_fails_on_the_driver():
     assert XlaSpmdConfig().backend  # non-empty: TorchTrainer must not swap in "tpu_dist"
 
 
+def test_a_worker_of_a_one_slice_fit_keeps_none_of_its_nodes_slices():
+    """On a multislice pod the node's MEGASCALE_* name its job's slices, not this fit's: a worker booted
+    for one slice has none of them (libtpu would wait for the others), as a `tpulaunch run` host has none."""
+    import os
+    import pickle
+    from unittest import mock
+
+    from tpulaunch.host import context as ctx_mod
+    from tpulaunch.plan.env import PLAN_MULTISLICE_ENV
+    from tpulaunch.ray_train import backends
+
+    facts = [WorkerFacts(rank=r, ip=f"10.0.0.{r}", slice_name="s", worker_id=r, pod_type="v5p-16", topology="2x2x2",
+                         tpu_devices=False) for r in range(2)]
+    plan, states = plan_for_workers(facts, framework="none", mesh=None, dcn=None, run_id="r", ports=[1, 2, 3])
+    pod = {"MEGASCALE_COORDINATOR_ADDRESS": "10.9.9.9", "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1",
+           "MEGASCALE_PORT": "8080", "MEGASCALE_GRPC_ENABLE_XOR_TRACER": "false"}
+    with mock.patch.dict(os.environ, pod), mock.patch.dict(ctx_mod._STATE):
+        assert backends._boot_worker(pickle.dumps(states[1]), plan.env(1)) is None
+        assert [k for k in PLAN_MULTISLICE_ENV if k in os.environ] == []
+        assert os.environ["TPU_WORKER_ID"] == "1" and os.environ["MEGASCALE_GRPC_ENABLE_XOR_TRACER"] == "false"
+
+
 def test_torch_tpu_workers_are_grouped_by_host_one_per_device():
     from tpulaunch.plan import torch_tpu
     from tpulaunch.ray_train import local_indices

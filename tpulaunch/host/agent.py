@@ -45,15 +45,17 @@ from tpulaunch.host.process import HostProcess
 from tpulaunch.host.spare import Spare
 from tpulaunch.host.protocol import (AgentInfo, HostOptions, HostRun, PollReply, PreflightReport, PreflightRequest,
                                      Started)
-from tpulaunch.plan.env import split_env
+from tpulaunch.plan.env import PLAN_MULTISLICE_ENV, split_env
 from tpulaunch.plan.launch import run_marker
 from tpulaunch.plan.contract import HostState
 
-# Variables Ray sets for sub-host TPU allocations; the plan decides these, not the actor's parent.
-# And what Ray gives its worker processes (this agent is one) that describe that worker, not the host.
+# What Ray gives its worker processes (this agent is one) that describes that worker, not the host.
 NICENESS_ENV = "RAY_worker_niceness"
-_DROP = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "RAY_ADDRESS",
-         "RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE", "RAY_LD_PRELOAD_ON_WORKERS", NICENESS_ENV)
+_DROP = ("RAY_ADDRESS", "RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE", "RAY_LD_PRELOAD_ON_WORKERS", NICENESS_ENV)
+# The chips and host grid, which Ray rewrites in a worker holding part of a host (`TPUAcceleratorManager`):
+# a host process gets the node's own values, where the node has them (GKE's TPU device plugin sets them
+# with TPU_SKIP_MDS_QUERY, and libtpu then reads the grid from them alone), never a worker's.
+NODE_TPU_ENV = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS")
 EXIT_TPU_BUSY = ExitCode.TPU_BUSY  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
 DRIVER_GONE_S = 60.0  # a run nobody polled for this long has lost its driver
 SPARE_WAIT_S = 60.0  # a run waits this long for a spare still importing its framework (then: a fresh process)
@@ -191,9 +193,13 @@ def host_env() -> dict[str, str]:
     Not this agent's: Ray sets OMP_NUM_THREADS to the actor's CPU count (1) in its workers unless
     the node set it, and a script inheriting that runs torch's CPU ops on one thread (data loading,
     checkpoints) on a host with hundreds of cores. It is kept only when the node's raylet has it.
+    The TPU grid is the node's too (NODE_TPU_ENV); the slices a run spans are the plan's alone
+    (PLAN_MULTISLICE_ENV).
     """
-    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    env = {k: v for k, v in os.environ.items() if k not in _DROP + NODE_TPU_ENV + PLAN_MULTISLICE_ENV}
     node = _raylet_env()
+    if node is not None:
+        env.update({k: node[k] for k in NODE_TPU_ENV if k in node})
     if "OMP_NUM_THREADS" in env and node is not None and "OMP_NUM_THREADS" not in node:
         del env["OMP_NUM_THREADS"]
     return env

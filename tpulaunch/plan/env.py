@@ -46,6 +46,12 @@ def read_at_import(name: str) -> bool:
     return upper.startswith(IMPORT_TIME_PREFIXES) and not upper.startswith("TPULAUNCH_")  # ours: read at run time
 
 
+# The slices a run spans, which the plan sets whenever there are two or more: a host process never keeps
+# a value of these from its node (a multislice pod's may name other slices, or more of them than this
+# attempt has after a shrink, and libtpu would wait for slices that never join: Ray's ray#62893).
+PLAN_MULTISLICE_ENV = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_PORT")
+
+
 def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
     """(what stays from run to run on this host, what this run and attempt set). Disjoint; the
     user's `--env` wins over both, in the first part where it may be read at import, else in the

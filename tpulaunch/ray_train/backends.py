@@ -17,7 +17,7 @@ from tpulaunch.discover.ray_labels import POD_TYPE, SLICE, TOPO, WORKER
 from tpulaunch.errors import ExitCode, TpulaunchError
 from tpulaunch.host import frameworks
 from tpulaunch.plan import torch_tpu
-from tpulaunch.plan.env import host_env
+from tpulaunch.plan.env import PLAN_MULTISLICE_ENV, host_env
 from tpulaunch.plan.launch import new_run_id
 from tpulaunch.plan.contract import HostState
 from tpulaunch.plan.mesh import check_placement, parse_axes
@@ -74,6 +74,8 @@ def _boot_worker(state_blob: bytes, env: dict[str, str], local_index: int | None
     from tpulaunch.host import bootstrap, tpu_holders
 
     state: HostState = pickle.loads(state_blob)
+    for key in PLAN_MULTISLICE_ENV:  # the node's own (a multislice pod's) are not this run's slices
+        os.environ.pop(key, None)
     os.environ.update(env)
     try:
         if not state.emulated:
