@@ -269,6 +269,7 @@ class FakeTpuApi:
         provision_s: float = 0.5,
         suspend_s: float = 1.0,
         stockout_fail_s: float = 2.0,
+        delete_s: float = 0.0,
         gcloud_slices: str | None = None,
     ) -> None:
         self.nodes: dict[str, dict] = {n["name"]: n for n in nodes}
@@ -283,6 +284,9 @@ class FakeTpuApi:
         self.rejected: list[str] = []  # requests that were not real Cloud TPU API v2 calls
         self.op_delay_s, self.wait_s, self.provision_s = op_delay_s, wait_s, provision_s
         self.suspend_s, self.stockout_fail_s = suspend_s, stockout_fail_s
+        # a forced delete of a queued resource that still has nodes deletes them first: its operation
+        # ends this much later (real ones take minutes; tests keep it short and the client's budget shorter)
+        self.delete_s = delete_s
         self.gcloud_slices = gcloud_slices  # the fake gcloud's FAKE_GCLOUD_SLICES file, kept in step
         self.stockout = False
         self.quota: str | None = None  # a quota name: creates are refused with 429
@@ -531,16 +535,17 @@ class FakeTpuApi:
             kill_workers(n)
             self._drop_node(n)
         qr["state"] = {"state": "DELETING"}
-        self._timeline[name] = {"gone_at": time.monotonic() + self.op_delay_s}
+        took = self.op_delay_s + (self.delete_s if nodes else 0.0)
+        self._timeline[name] = {"gone_at": time.monotonic() + took}
         self.events.append(f"delete {name.rsplit('/', 1)[1]}")
-        return 200, self._op_out(self._new_op(name.split("/queuedResources/")[0], "delete", name, ("empty",)))
+        return 200, self._op_out(self._new_op(name.split("/queuedResources/")[0], "delete", name, ("empty",), took))
 
-    def _new_op(self, parent: str, verb: str, target: str, result: tuple) -> dict:
+    def _new_op(self, parent: str, verb: str, target: str, result: tuple, delay_s: float | None = None) -> dict:
         self._ops += 1
         op = {"name": f"{parent}/operations/operation-{int(time.time() * 1000)}-{self._ops:04d}",
               "metadata": {"@type": "type.googleapis.com/google.cloud.tpu.v2.OperationMetadata",
                            "createTime": _now_rfc3339(), "target": target, "verb": verb, "apiVersion": "v2"},
-              "done_at": time.monotonic() + self.op_delay_s, "result": result}
+              "done_at": time.monotonic() + (self.op_delay_s if delay_s is None else delay_s), "result": result}
         self.operations[op["name"]] = op
         return op
 

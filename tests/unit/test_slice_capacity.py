@@ -199,6 +199,20 @@ def test_recreate_deletes_and_creates_from_the_stored_spec(api_env):
     assert any("SUSPEND" in m for m in seen) and seen[-1].endswith("ACTIVE")
 
 
+def test_recreate_waits_for_a_forced_delete_within_its_own_deadline(api_env, monkeypatch):
+    """A preempted slice's queued resource still SUSPENDING has its nodes: the service deletes them
+    before the queued resource, which takes longer than one API call's budget (minutes, where it is
+    seconds here: 1.5 s against 0.5). The re-creation waits for it within its own deadline."""
+    monkeypatch.setenv("TPULAUNCH_API_TIMEOUT", "0.5")
+    capacity.create(capacity.check_order(capacity.SliceOrder("r3", "p", ZONE, "v4-16", tier="spot")))
+    capacity.wait_active("p", ZONE, "r3", 10)
+    api_env.suspend_s, api_env.delete_s = 30.0, 1.5  # still SUSPENDING, with its nodes, when deleted
+    api_env.preempt("r3")
+    st, took = capacity.recreate("p", ZONE, "r3", 20, retry_s=0.2)
+    assert st.state == "ACTIVE" and took["delete_s"] >= 1.5
+    assert api_env.events == ["create r3", "preempt r3", "delete r3", "create r3"]
+
+
 def test_recreate_in_a_stockout_retries_until_the_deadline_and_gives_the_reason(api_env):
     capacity.create(capacity.check_order(capacity.SliceOrder("r2", "p", ZONE, "v4-16", tier="spot")))
     capacity.wait_active("p", ZONE, "r2", 10)

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from tpulaunch.discover.tpu_api import TpuApi
+from tpulaunch.discover.tpu_api import TpuApi, api_timeout
 from tpulaunch.errors import CapacityError, LaunchError, NameTakenError, NodeNotFoundError
 from tpulaunch.plan import topology as topo_mod
 
@@ -228,6 +228,12 @@ def wait_active(project: str, zone: str, name: str, deadline_s: float, progress:
     return st
 
 
+def _left(end: float) -> float:
+    """A forced delete's budget: what is left of the re-creation's (the service deletes the queued
+    resource's nodes first, minutes where they are still there), never less than one API call's."""
+    return max(api_timeout(), end - time.monotonic())
+
+
 def recreate(project: str, zone: str, name: str, deadline_s: float, progress: Progress | None = None,
              retry_s: float | None = None) -> tuple[QrState, dict[str, float]]:
     """Delete the queued resource and create it again from the spec it was created with, then
@@ -244,7 +250,7 @@ def recreate(project: str, zone: str, name: str, deadline_s: float, progress: Pr
                             "create it again with `tpulaunch slice create`")
     t = time.monotonic()
     say(f"queued resource {name} is {old.state}: deleting it")
-    delete(project, zone, name)
+    delete(project, zone, name, timeout=_left(end))
     took = {"delete_s": time.monotonic() - t, "create_s": 0.0, "provision_s": 0.0}
     order = SliceOrder(name=name, project=project, zone=zone, accelerator_type="")
     while True:
@@ -271,5 +277,5 @@ def recreate(project: str, zone: str, name: str, deadline_s: float, progress: Pr
             raise not_active(name, st, deadline_s)
         say(f"{not_active(name, st, deadline_s).message}; deleting and asking again in {retry_s:.0f} s")
         time.sleep(retry_s)
-        delete(project, zone, name)
+        delete(project, zone, name, timeout=_left(end))
         took["provision_s"] += time.monotonic() - t
