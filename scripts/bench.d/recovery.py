@@ -48,7 +48,7 @@ while step < 60:
 def measure() -> dict:
     base = Path(tempfile.mkdtemp(prefix="tpl-bench-recovery-"))
     slices = base / "slices.json"
-    with FakeTpuApi(wait_s=0.2, provision_s=0.3, suspend_s=0.5, stockout_fail_s=0.5, gcloud_slices=str(slices)) as api:
+    with FakeTpuApi(wait_s=0.2, provision_s=0.3, suspend_s=0.5, gcloud_slices=str(slices)) as api:
         env = cli_env(base / "home", gcloud=True, TPULAUNCH_HOME=str(base / "tplhome"),
                       TPULAUNCH_TPU_API_ENDPOINT=api.url, FAKE_GCLOUD_LOG=str(base / "gcloud.log"),
                       FAKE_GCLOUD_SLICES=str(slices), RAY_health_check_period_ms="1000",

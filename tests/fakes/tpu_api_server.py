@@ -15,8 +15,10 @@ multisliceParams, one tier), `DELETE ...?force=true`, and long-running operation
 move with the clock, as the documented lifecycle goes: WAITING_FOR_RESOURCES (`wait_s`) ->
 PROVISIONING (`provision_s`) -> ACTIVE, when the nodes appear (fresh 10.x IPs, `queuedResource`,
 `multisliceNode`, spot) and are written into the fake gcloud's slices file (`gcloud_slices`) so
-`gcloud ... ssh` reaches them. `set_capacity(stockout=True)` keeps new requests waiting and fails
-them after `stockout_fail_s` (FAILED, the service's code-8 capacity message);
+`gcloud ... ssh` reaches them. `set_capacity(stockout=True)` keeps every request that has not
+started provisioning in WAITING_FOR_RESOURCES, as the service does while a zone has no capacity: a
+request turns FAILED only when its own window closes (`queueingPolicy.validUntilDuration`, which
+`gcloud ... --valid-until-duration` sets), with the service's expiry reason;
 `set_capacity(quota="...")` refuses creates with 429. `preempt(node)` (or `POST /_fake/preempt`
 {"node": N}, the test-only control endpoint) does what Google Cloud does to a spot slice: the node
 goes PREEMPTED, the fake workers' processes of that node (everything the fake gcloud started for
@@ -85,8 +87,7 @@ _TYPE_TOPOLOGY = {"v4-8": "2x2x1", "v4-16": "2x2x2", "v4-32": "2x2x4", "v5p-8": 
                   "v6e-16": "4x4", "v2-8": "2x2", "v3-8": "2x2"}
 RUNTIMES = {"tpu-ubuntu2204-base", "tpu-vm-base", "v2-alpha-tpuv5", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e",
             "tpu-vm-tf-2.16.1-pjrt", "v2-alpha-tpu7-ubuntu2404"}
-STOCKOUT = ('There is no more capacity in the zone "{zone}"; you can try in another zone where Cloud TPU Nodes are'
-            ' offered (see https://cloud.google.com/tpu/docs/regions) [EID: 0x9f48947a7d57c8d]')
+EXPIRED = "The queued resource request could not be fulfilled before its valid until time"
 _STATUS = {400: "INVALID_ARGUMENT", 409: "ALREADY_EXISTS", 429: "RESOURCE_EXHAUSTED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 501: "UNIMPLEMENTED"}
 
 
@@ -268,7 +269,6 @@ class FakeTpuApi:
         wait_s: float = 0.5,
         provision_s: float = 0.5,
         suspend_s: float = 1.0,
-        stockout_fail_s: float = 2.0,
         delete_s: float = 0.0,
         gcloud_slices: str | None = None,
     ) -> None:
@@ -283,7 +283,7 @@ class FakeTpuApi:
         self.requests: list[dict] = []  # every request: method, path, query, authorization
         self.rejected: list[str] = []  # requests that were not real Cloud TPU API v2 calls
         self.op_delay_s, self.wait_s, self.provision_s = op_delay_s, wait_s, provision_s
-        self.suspend_s, self.stockout_fail_s = suspend_s, stockout_fail_s
+        self.suspend_s = suspend_s
         # a forced delete of a queued resource that still has nodes deletes them first: its operation
         # ends this much later (real ones take minutes; tests keep it short and the client's budget shorter)
         self.delete_s = delete_s
@@ -293,6 +293,7 @@ class FakeTpuApi:
         self.operations: dict[str, dict] = {}
         self.events: list[str] = []  # what happened to capacity, in order ("preempt my-slice", ...)
         self._timeline: dict[str, dict] = {}  # QR name -> when its states change (monotonic times)
+        self._created: dict[str, float] = {}  # QR name -> when it was asked for (monotonic)
         self._lock = threading.RLock()
         self._ops = 0
         self._subnets = 200
@@ -436,8 +437,8 @@ class FakeTpuApi:
                 self._timeline[qr["name"]] = {"suspended_at": time.monotonic() + self.suspend_s}
 
     def set_capacity(self, *, stockout: bool | None = None, quota: str | None = "") -> None:
-        """`stockout`: new requests wait and then fail (FAILED, the service's capacity message);
-        turning it off lets the waiting ones through. `quota`: a quota name that refuses creates."""
+        """`stockout`: requests not yet provisioning wait (WAITING_FOR_RESOURCES) until it is turned
+        off, which lets them through. `quota`: a quota name that refuses creates."""
         with self._lock:
             self._advance()
             if quota != "":
@@ -447,7 +448,7 @@ class FakeTpuApi:
                 self.events.append(f"stockout {stockout}")
                 for name, qr in self.queued_resources.items():
                     if qr["state"]["state"] == "WAITING_FOR_RESOURCES":
-                        self._timeline[name] = self._waiting_timeline()
+                        self._timeline[name] = self._waiting_timeline(name)
 
     def _control(self, path: str, doc: dict) -> tuple[int, dict]:
         if path == "/_fake/preempt":
@@ -470,11 +471,15 @@ class FakeTpuApi:
         return name
 
     # -- queued resources: the write side
-    def _waiting_timeline(self) -> dict:
+    def _waiting_timeline(self, name: str) -> dict:
+        """When a waiting request moves on: provisioning after `wait_s` unless the zone is stocked out,
+        FAILED when its validity window closes first (the time counts from its creation)."""
         now = time.monotonic()
-        if self.stockout:
-            return {"fail_at": now + self.stockout_fail_s}
-        return {"provision_at": now + self.wait_s, "active_at": now + self.wait_s + self.provision_s}
+        when = {} if self.stockout else {"provision_at": now + self.wait_s, "active_at": now + self.wait_s + self.provision_s}
+        valid = (self.queued_resources[name].get("queueingPolicy") or {}).get("validUntilDuration")
+        if valid:
+            when["fail_at"] = self._created[name] + float(valid.rstrip("s"))
+        return when
 
     def _create_qr(self, parent: str, query: dict, body: dict) -> tuple[int, dict]:
         qr_id = (query.get("queuedResourceId") or [""])[0]
@@ -518,7 +523,8 @@ class FakeTpuApi:
                  if k in body},
               "state": {"state": "WAITING_FOR_RESOURCES"}}
         self.queued_resources[name] = qr
-        self._timeline[name] = self._waiting_timeline()
+        self._created[name] = time.monotonic()
+        self._timeline[name] = self._waiting_timeline(name)
         self.events.append(f"create {qr_id}")
         return 200, self._op_out(self._new_op(parent, "create", name, ("qr", name)))
 
@@ -577,10 +583,9 @@ class FakeTpuApi:
                 del self._timeline[name]
                 continue
             state = qr["state"]["state"]
-            if state == "WAITING_FOR_RESOURCES" and now >= when.get("fail_at", float("inf")):
-                zone = name.split("/")[3]
-                qr["state"] = {"state": "FAILED", "failedData": {"error": {
-                    "code": 8, "message": STOCKOUT.format(zone=zone)}}}
+            fail_at = when.get("fail_at", float("inf"))  # its window closed before it would have provisioned
+            if state == "WAITING_FOR_RESOURCES" and now >= fail_at and fail_at < when.get("provision_at", float("inf")):
+                qr["state"] = {"state": "FAILED", "failedData": {"error": {"code": 4, "message": EXPIRED}}}
                 del self._timeline[name]
             elif state == "WAITING_FOR_RESOURCES" and now >= when.get("provision_at", float("inf")):
                 qr["state"] = {"state": "PROVISIONING"}

@@ -26,7 +26,7 @@ def api(request, tmp_path):
     # window fell between two polls; so did a 1 s one, beside the rest of the suite at nice 10).
     # Otherwise a slice is ACTIVE at the CLI's second poll.
     wait_s, provision_s = (0.3, 4.0) if getattr(request, "param", "quick") == "slow" else (0.05, 0.05)
-    with FakeTpuApi(wait_s=wait_s, provision_s=provision_s, suspend_s=0.3, stockout_fail_s=0.5,
+    with FakeTpuApi(wait_s=wait_s, provision_s=provision_s, suspend_s=0.3,
                     gcloud_slices=str(tmp_path / "slices.json")) as fake:
         yield fake
 
@@ -111,12 +111,15 @@ def test_quota_is_one_line_exit_3(api, env):
     assert api.queued_resources == {}
 
 
-def test_stockout_fails_the_wait_with_the_services_reason(api, env):
+def test_a_stockout_keeps_the_request_waiting_until_the_wait_timeout(api, env):
+    """A zone without capacity keeps the request WAITING_FOR_RESOURCES (the service fails none for
+    that): `--wait` ends at its own bound, exit 3, saying so and which option waits longer."""
     api.set_capacity(stockout=True)
-    proc = invoke("slice", "create", "s4", "--accelerator", "v4-16", "--wait", *C2, env=env)
+    proc = invoke("slice", "create", "s4", "--accelerator", "v4-16", "--wait", "--wait-timeout", "2", *C2, env=env)
     assert proc.returncode == 3
     err = flat(proc.stderr)
-    assert "queued resource 's4' is FAILED: There is no more capacity in the zone \"us-central2-b\"" in err
+    assert "queued resource 's4' is still WAITING_FOR_RESOURCES after 2 s" in err
+    assert "the zone has no capacity for it now: wait longer (--wait-timeout), or try another zone or tier" in err
     assert "Traceback" not in err
 
 
@@ -213,12 +216,31 @@ def test_recreate_waits_for_a_forced_delete_within_its_own_deadline(api_env, mon
     assert api_env.events == ["create r3", "preempt r3", "delete r3", "create r3"]
 
 
-def test_recreate_in_a_stockout_retries_until_the_deadline_and_gives_the_reason(api_env):
+def test_recreate_in_a_stockout_waits_to_its_deadline_and_says_so(api_env):
     capacity.create(capacity.check_order(capacity.SliceOrder("r2", "p", ZONE, "v4-16", tier="spot")))
     capacity.wait_active("p", ZONE, "r2", 10)
     api_env.preempt("r2")
     api_env.set_capacity(stockout=True)
     with pytest.raises(CapacityError) as e:
         capacity.recreate("p", ZONE, "r2", 3, retry_s=0.2)
-    assert "There is no more capacity in the zone" in e.value.message
-    assert len(api_env.calls("create_qr")) >= 3  # asked again after each FAILED
+    assert "queued resource 'r2' is still WAITING_FOR_RESOURCES after 3 s" in e.value.line()
+    assert "wait longer (--preemption-wait)" in e.value.line()
+    assert len(api_env.calls("create_qr")) == 2  # made, then asked for again once: a waiting request is kept
+
+
+def test_recreate_asks_again_for_a_request_the_service_failed(api_env):
+    """A request whose validity window (`queueingPolicy`, as `gcloud ... --valid-until-duration` sets
+    it) closed before the zone had capacity is FAILED: deleted and asked for again from the spec the
+    API holds, until the deadline, which gives the service's reason."""
+    order = capacity.check_order(capacity.SliceOrder("r4", "p", ZONE, "v4-16", tier="spot"))
+    capacity.create(order, body={**capacity.queued_resource_body(order), "queueingPolicy": {"validUntilDuration": "0.4s"}})
+    capacity.wait_active("p", ZONE, "r4", 10)
+    api_env.preempt("r4")
+    api_env.set_capacity(stockout=True)
+    seen: list[str] = []
+    with pytest.raises(CapacityError) as e:
+        capacity.recreate("p", ZONE, "r4", 3, seen.append, retry_s=0.2)
+    assert "queued resource 'r4' is FAILED: The queued resource request could not be fulfilled" in e.value.line()
+    creates = api_env.calls("create_qr")
+    assert len(creates) >= 3 and any("deleting and asking again" in m for m in seen)
+    assert all(c["body"] == creates[1]["body"] and c["body"]["queueingPolicy"] for c in creates[1:])

@@ -208,23 +208,26 @@ def follow(project: str, zone: str, name: str, deadline_s: float, progress: Prog
         poll = min(max_poll_s, poll * 1.5)
 
 
-def not_active(name: str, st: QrState, deadline_s: float) -> CapacityError:
-    """Why a queued resource that `follow` returned is not ACTIVE, in one line."""
+def not_active(name: str, st: QrState, deadline_s: float, flag: str) -> CapacityError:
+    """Why a queued resource that `follow` returned is not ACTIVE, in one line; `flag` is the option
+    that sets how long to wait. A zone without capacity keeps a request WAITING_FOR_RESOURCES (the
+    service fails it only when its own validity window closes)."""
     if st.state in GONE_BAD:
         why = f": {st.error}" if st.error else ""
         return CapacityError(f"queued resource '{name}' is {st.state}{why}",
                              "delete it and create it again (`tpulaunch slice delete`, `slice create`)")
-    hint = ("the zone has no capacity for it now: wait longer (--timeout), or try another zone or tier"
-            if st.state == "WAITING_FOR_RESOURCES" else "wait longer (--timeout)")
+    hint = (f"the zone has no capacity for it now: wait longer ({flag}), or try another zone or tier"
+            if st.state == "WAITING_FOR_RESOURCES" else f"wait longer ({flag})")
     return CapacityError(f"queued resource '{name}' is still {st.state} after {deadline_s:.0f} s", hint)
 
 
-def wait_active(project: str, zone: str, name: str, deadline_s: float, progress: Progress | None = None) -> QrState:
+def wait_active(project: str, zone: str, name: str, deadline_s: float, progress: Progress | None = None,
+                flag: str = "--wait-timeout") -> QrState:
     """Until the queued resource is ACTIVE; every change of state is reported. Raises on FAILED,
     SUSPENDED, a missing QR, or the deadline (saying the last state)."""
     st = follow(project, zone, name, deadline_s, progress)
     if st.state != "ACTIVE":
-        raise not_active(name, st, deadline_s)
+        raise not_active(name, st, deadline_s, flag)
     return st
 
 
@@ -235,11 +238,12 @@ def _left(end: float) -> float:
 
 
 def recreate(project: str, zone: str, name: str, deadline_s: float, progress: Progress | None = None,
-             retry_s: float | None = None) -> tuple[QrState, dict[str, float]]:
+             retry_s: float | None = None, flag: str = "--preemption-wait") -> tuple[QrState, dict[str, float]]:
     """Delete the queued resource and create it again from the spec it was created with, then
-    wait until ACTIVE, all within `deadline_s`. A refusal for capacity (quota) and a request that
-    turned FAILED (stockout: the service gave up) are asked again until then (every 10 s, or a
-    sixth of a shorter deadline, so it is asked several times); a name in use is not.
+    wait until ACTIVE, all within `deadline_s` (`flag` sets it). A refusal for capacity (quota) and a
+    request that turned FAILED (the service gave up on it: its validity window closed) are asked
+    again until then (every 10 s, or a sixth of a shorter deadline, so it is asked several times); a
+    name in use is not. In a stockout the request waits (WAITING_FOR_RESOURCES) to the deadline.
     Returns the new state and how long each step took."""
     say = progress or (lambda _m: None)
     retry_s = retry_s if retry_s is not None else min(10.0, max(1.0, deadline_s / 6))
@@ -274,8 +278,8 @@ def recreate(project: str, zone: str, name: str, deadline_s: float, progress: Pr
             took["provision_s"] += time.monotonic() - t
             return st, took
         if st.state != "FAILED" or time.monotonic() + retry_s >= end:
-            raise not_active(name, st, deadline_s)
-        say(f"{not_active(name, st, deadline_s).message}; deleting and asking again in {retry_s:.0f} s")
+            raise not_active(name, st, deadline_s, flag)
+        say(f"{not_active(name, st, deadline_s, flag).message}; deleting and asking again in {retry_s:.0f} s")
         time.sleep(retry_s)
         delete(project, zone, name, timeout=_left(end))
         took["provision_s"] += time.monotonic() - t
