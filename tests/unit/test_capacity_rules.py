@@ -27,7 +27,8 @@ def order(**kw) -> SliceOrder:
 def test_a_spot_slice_by_accelerator_type():
     assert queued_resource_body(order(tier="spot")) == {
         "tpu": {"nodeSpec": [{"parent": P, "nodeId": "my-slice", "node": {
-            "runtimeVersion": "tpu-ubuntu2204-base", "acceleratorType": "v4-16", "schedulingConfig": {"spot": True}}}]},
+            "runtimeVersion": "tpu-ubuntu2204-base", "acceleratorType": "v4-16", "schedulingConfig": {"spot": True},
+            "networkConfig": {"enableExternalIps": True}}}]},
         "spot": {},
     }
 
@@ -35,7 +36,8 @@ def test_a_spot_slice_by_accelerator_type():
 def test_a_reserved_slice_by_topology_with_its_generations_runtime():
     body = queued_resource_body(order(accelerator_type="v5p", topology="2x2x4", tier="reserved"))
     node = body["tpu"]["nodeSpec"][0]["node"]
-    assert node == {"runtimeVersion": "v2-alpha-tpuv5", "acceleratorConfig": {"type": "V5P", "topology": "2x2x4"}}
+    assert node == {"runtimeVersion": "v2-alpha-tpuv5", "acceleratorConfig": {"type": "V5P", "topology": "2x2x4"},
+                    "networkConfig": {"enableExternalIps": True}}  # always sent, as gcloud sends it
     assert body["reservationName"] == f"{P}/reservations/-" and "spot" not in body
 
 
@@ -44,7 +46,9 @@ def test_guaranteed_multislice_with_network_and_runtime():
                                       runtime_version="v2-alpha-tpuv6e-custom", network="n1", subnetwork="s1"))
     spec = body["tpu"]["nodeSpec"][0]
     assert spec["multisliceParams"] == {"nodeCount": 3, "nodeIdPrefix": "my-slice"} and "nodeId" not in spec
-    assert spec["node"]["networkConfig"] == {"network": "n1", "subnetwork": "s1"}
+    assert spec["node"]["networkConfig"] == {"network": "n1", "subnetwork": "s1", "enableExternalIps": True}
+    internal = queued_resource_body(order(accelerator_type="v6e-16", network="n1", internal_ips=True))
+    assert internal["tpu"]["nodeSpec"][0]["node"]["networkConfig"] == {"network": "n1", "enableExternalIps": False}
     assert spec["node"]["runtimeVersion"] == "v2-alpha-tpuv6e-custom" and body["guaranteed"] == {}
     assert order(num_slices=3).node_names() == ["my-slice-0", "my-slice-1", "my-slice-2"]
 

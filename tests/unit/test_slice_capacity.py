@@ -57,8 +57,8 @@ def test_create_spot_by_type_waits_through_the_states(api, env):
     assert proc.returncode == 0, proc.stderr
     body = created_body(api)
     assert body == {"tpu": {"nodeSpec": [{"parent": PARENT, "nodeId": "s1", "node": {
-        "acceleratorType": "v4-16", "runtimeVersion": "tpu-ubuntu2204-base", "schedulingConfig": {"spot": True}}}]},
-        "spot": {}}
+        "acceleratorType": "v4-16", "runtimeVersion": "tpu-ubuntu2204-base", "schedulingConfig": {"spot": True},
+        "networkConfig": {"enableExternalIps": True}}}]}, "spot": {}}
     err = flat(proc.stderr)
     states = [s for s in ("WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE") if f"s1: {s}" in err]
     assert states == ["WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"], err
@@ -87,11 +87,12 @@ def test_create_reserved_by_topology_sends_accelerator_config_with_an_int_enum(a
 
 def test_create_multislice_guaranteed(api, env):
     proc = invoke("slice", "create", "ms", "--accelerator", "v4-16", "--num-slices", "2", "--guaranteed", "--wait",
-                  "--json", *C2, env=env)
+                  "--subnetwork", "tpu-sub", "--internal-ips", "--json", *C2, env=env)
     assert proc.returncode == 0, proc.stderr
     body = created_body(api)
     spec = body["tpu"]["nodeSpec"][0]
     assert spec["multisliceParams"] == {"nodeCount": 2, "nodeIdPrefix": "ms"} and "nodeId" not in spec
+    assert spec["node"]["networkConfig"] == {"subnetwork": "tpu-sub"}  # enableExternalIps false: proto3 sends no default
     assert body["guaranteed"] == {}
     assert json.loads(proc.stdout)["nodes"] == ["ms-0", "ms-1"]
     assert sorted(n.rsplit("/", 1)[1] for n in api.nodes) == ["ms-0", "ms-1"]

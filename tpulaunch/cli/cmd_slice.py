@@ -351,6 +351,9 @@ def create_cmd(
                                                   help="TPU VM software version (default: the one Google documents for the generation)."),
     network: Optional[str] = typer.Option(None, "--network"),
     subnetwork: Optional[str] = typer.Option(None, "--subnetwork"),
+    internal_ips: bool = typer.Option(False, "--internal-ips",
+                                      help="No external IPs on the workers (the network needs Private Google Access or"
+                                           " Cloud NAT; reach them from inside the VPC)."),
     zone: Optional[str] = opt.ZONE,
     project: Optional[str] = opt.PROJECT,
     wait: bool = typer.Option(False, "--wait", help="Follow its state until ACTIVE (bounded by --wait-timeout)."),
@@ -385,7 +388,8 @@ def create_cmd(
     p, z, _prov = discover.require_project_zone(project, zone, f"slice {name}")
     order = capacity.check_order(capacity.SliceOrder(
         name=name, project=p, zone=z, accelerator_type=accelerator, topology=topology, num_slices=num_slices,
-        tier=tiers[0] if tiers else "on-demand", runtime_version=runtime_version, network=network, subnetwork=subnetwork))
+        tier=tiers[0] if tiers else "on-demand", runtime_version=runtime_version, network=network, subnetwork=subnetwork,
+        internal_ips=internal_ips))
     with out.status(f"asking the Cloud TPU API for {order.accelerator_type} x {order.num_slices} ({order.tier}) ..."):
         st = capacity.create(order, timeout=timeout)
     out.info(f"queued resource {name} accepted ({st.state}) in {z}: node(s) {', '.join(order.node_names())}")

@@ -50,6 +50,7 @@ class SliceOrder:
     runtime_version: str | None = None  # None: the generation's default
     network: str | None = None
     subnetwork: str | None = None
+    internal_ips: bool = False  # workers without external IPs (the network needs Private Google Access)
 
     @property
     def parent(self) -> str:
@@ -92,15 +93,18 @@ def queued_resource_body(order: SliceOrder) -> dict:
     """The QueuedResource JSON for `order` (REST reference: projects.locations.queuedResources).
 
     The tier: spot `"spot": {}`, guaranteed `"guaranteed": {}`, reserved `reservationName`
-    `.../reservations/-` (what `gcloud ... --reserved` sends); on-demand: none."""
+    `.../reservations/-` (what `gcloud ... --reserved` sends); on-demand: none. The network config is
+    always sent, with external IPs unless `internal_ips`, as gcloud sends it (`enableExternalIps = not
+    args.internal_ips`): with it unset, a slice on a named network gets none, and `gcloud ... ssh`
+    from outside the VPC cannot reach its workers."""
     gen = topo_mod.resolve(accelerator=order.accelerator_type).generation.name
     node: dict = {"runtimeVersion": order.runtime_version or DEFAULT_RUNTIME[gen]}
     if order.topology:
         node["acceleratorConfig"] = {"type": API_CONFIG_TYPE[gen], "topology": order.topology}
     else:
         node["acceleratorType"] = order.accelerator_type
-    if order.network or order.subnetwork:
-        node["networkConfig"] = {k: v for k, v in (("network", order.network), ("subnetwork", order.subnetwork)) if v}
+    node["networkConfig"] = {**{k: v for k, v in (("network", order.network), ("subnetwork", order.subnetwork)) if v},
+                             "enableExternalIps": not order.internal_ips}
     if order.tier == "spot":
         node["schedulingConfig"] = {"spot": True}
     spec: dict = {"parent": order.parent, "node": node}
