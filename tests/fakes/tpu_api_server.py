@@ -1,7 +1,8 @@
 """A fake Cloud TPU API v2 over HTTP, for the real `google.cloud.tpu_v2.TpuClient(transport="rest")`.
 
-It serves the real REST paths and JSON (camelCase fields, enums as names, or as numbers when
-`int_enums=True` and the client asks for `enum-encoding=int`, like the real service), pages with
+It serves the real REST paths and JSON (camelCase fields; enums as numbers when the client asks for
+`enum-encoding=int`, as the real service answers the installed client, or as names with
+`int_enums=False`), pages with
 `pageSize`/`pageToken`/`nextPageToken`, and answers errors in Google's JSON error format. Anything
 that is not a real path is rejected (and recorded in `rejected`, so tests can assert there was none).
 
@@ -264,7 +265,7 @@ class FakeTpuApi:
         slow_seconds: float = 60.0,
         default_page_size: int | None = None,
         max_page_size: int = 1000,
-        int_enums: bool = False,
+        int_enums: bool = True,
         op_delay_s: float = 0.0,
         wait_s: float = 0.5,
         provision_s: float = 0.5,
