@@ -99,8 +99,10 @@ class SshResult:
 
     @property
     def vm_gone(self) -> bool:
-        """The TPU VM itself does not exist (preempted and deleted, or never made): gcloud's NOT_FOUND."""
-        return self.returncode != 0 and "NOT_FOUND" in self.stderr
+        """The TPU VM is gone: deleted or never made (gcloud's NOT_FOUND), or still listed in a state it
+        never leaves, PREEMPTED or TERMINATED (gcloud refuses it before any ssh: `This TPU has terminal
+        state "PREEMPTED", so it cannot be used anymore.`, `tpu_vm/exceptions.py`)."""
+        return self.returncode != 0 and ("NOT_FOUND" in self.stderr or "This TPU has terminal state" in self.stderr)
 
 
 def tpu_vm_ssh(

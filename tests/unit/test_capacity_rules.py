@@ -222,3 +222,17 @@ def test_comeback_joins_again_as_a_join_again(monkeypatch):
     monkeypatch.setattr(recreate, "rejoin", lambda *a, again=False, **k: calls.append(again) or [])
     Comeback(_cluster(head="local"), ["s"], lambda m: None, budget=1).rejoin(10)
     assert calls == [True]
+
+
+def test_a_vm_gcloud_calls_preempted_or_gone_is_gone_for_ssh():
+    """gcloud's own words (tpu_vm/exceptions.py, and NOT_FOUND from the API): `cluster down` reports
+    such a worker as gone, not as a failed stop."""
+    from tpulaunch.gcloud import SshResult
+
+    say = "ERROR: (gcloud.compute.tpus.tpu-vm.ssh) "
+    preempted = say + 'This TPU has terminal state "PREEMPTED", so it cannot be used anymore.'
+    missing = say + "NOT_FOUND: projects/p/locations/z/nodes/n"
+    stopped = say + 'This TPU has state "STOPPED", so it cannot be currently connected to.'
+    assert SshResult(1, "", preempted).vm_gone and SshResult(1, "", missing).vm_gone
+    assert not SshResult(1, "", stopped).vm_gone and not SshResult(255, "", "ssh: connect to host: timed out").vm_gone
+

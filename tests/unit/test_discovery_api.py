@@ -191,6 +191,15 @@ def test_queued_resource_still_waiting_is_not_ready(api):
     assert "WAITING_FOR_RESOURCES" in e.value.line()
 
 
+def test_a_preempted_queued_resource_says_its_slice_will_not_come_back_by_itself(api):
+    api.suspend_s = 0.0
+    api.preempt("ms-0")  # its nodes deleted, the queued resource SUSPENDED
+    with pytest.raises(SliceNotReadyError) as e:
+        discovery.describe_queued_resource("ms-qr", zone=C2, project="p", endpoint=api.url)
+    assert "queued resource 'ms-qr' is SUSPENDED: its node ms-0 is gone" in e.value.line()
+    assert "delete it and create it again" in e.value.line() and "wait until" not in e.value.line()
+
+
 def test_queued_resource_not_found(api):
     with pytest.raises(NodeNotFoundError, match="queued resource 'nope' not found"):
         discovery.describe_queued_resource("nope", zone=C2, project="p", endpoint=api.url)

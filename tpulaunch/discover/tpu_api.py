@@ -542,9 +542,16 @@ def queued_resource_specs(
             try:
                 node = api.get_node(node_name)
             except NodeNotFoundError:
+                node_id = node_name.rsplit('/', 1)[-1]
+                if state in ("SUSPENDING", "SUSPENDED", "FAILED"):  # it will not come back by itself
+                    raise SliceNotReadyError(
+                        f"queued resource '{name}' is {state}: its node {node_id} is gone",
+                        f"delete it and create it again (tpulaunch slice delete {name}, then slice create), or let"
+                        " a run do it (run --recreate)",
+                    ) from None
                 if state != "ACTIVE":
                     raise SliceNotReadyError(
-                        f"queued resource '{name}' is {state}: its node {node_name.rsplit('/', 1)[-1]} does not exist yet",
+                        f"queued resource '{name}' is {state}: its node {node_id} does not exist yet",
                         "wait until it is ACTIVE (gcloud compute tpus queued-resources describe"
                         f" {name} --zone {zone})",
                     ) from None
