@@ -27,6 +27,7 @@ from fakes.metadata_server import FakeMetadataServer
 from fakes.tpu_api_server import FakeTpuApi, end_vms, make_node, standard_nodes
 
 from tpulaunch import gcloud
+from tpulaunch.errors import ExitCode
 from tpulaunch.cluster import remote as ray_remote
 from tpulaunch.host import tpu_holders
 from tpulaunch.plan import topology
@@ -267,6 +268,18 @@ def test_up_status_idempotent_down(remote):
 # -- quoting ------------------------------------------------------------------------------------
 
 HOSTILE = ["a b", "it's", '"dq"', "; touch PWNED1", "$(touch PWNED2)", "`touch PWNED3`", "x\ny", "*", "--worker=3"]
+
+
+def test_a_setup_that_exits_255_fails_the_bring_up(remote):
+    """gcloud runs an ssh that exits 255 again, up to 10 times, on the stdin the first run has read
+    (the fake gcloud too; FAKE_GCLOUD_SSH_RETRY_S shortens its 5 s pauses): a set-up script's 255
+    would come back as an empty script's 0, and the worker would join unset-up."""
+    env = {**remote["env"], "FAKE_GCLOUD_SSH_RETRY_S": "0.1"}
+    p = run_cli(*up_args(remote, "--setup", "echo set-up ran; exit 255"), env=env, timeout=120)
+    assert p.returncode == ExitCode.CLUSTER, p.stdout + p.stderr
+    assert "the setup failed on worker 0 (exit 254)" in p.stderr and "reported as 254" in p.stderr, p.stderr
+    assert procs_of(remote["temp_dir"]) == []  # no Ray was started
+    assert not (Path(remote["env"]["TPULAUNCH_HOME"]) / "cluster.json").exists()
 
 
 def test_ssh_quoting_with_hostile_strings(tmp_path, monkeypatch):

@@ -170,6 +170,20 @@ def route_ip(peer: str) -> str:
                                "run `cluster up --head local` on a machine in the slice's network, or pass --head-ip") from None
 
 
+# gcloud runs an ssh that exits 255 again, up to 10 times (OpenSSH's own failures exit 255, so it cannot
+# tell them from the remote command's), on the stdin the first run has read: a set-up script exiting 255
+# would run again as an empty script and "succeed". Its 255 is reported as 254.
+SETUP_255 = 254
+
+
+def setup_stdin(setup: str) -> str:
+    """What `bash -s` on a worker reads: the set-up script (`set -e`) in a subshell whose exit status
+    255 leaves as SETUP_255, with a line saying so."""
+    return (f"(\nset -e\n{setup}\n)\nrc=$?\nif [ \"$rc\" -eq 255 ]; then\n"
+            f"  echo 'tpulaunch: the setup exited 255, reported as {SETUP_255} (gcloud runs an ssh that exits 255 again)' >&2\n"
+            f"  exit {SETUP_255}\nfi\nexit \"$rc\"\n")
+
+
 @dataclass(frozen=True)
 class LocalHead:
     """The Ray head off the slice, on the machine that runs `cluster up --tpu NAME --head local`."""
@@ -284,7 +298,7 @@ class RemoteSlice:
         output is kept here, one file per worker; a failure names the worker and its last lines."""
         if not self.setup:
             return
-        proc = self.ssh(worker, "bash -s", stdin="set -e\n" + self.setup)
+        proc = self.ssh(worker, "bash -s", stdin=setup_stdin(self.setup))
         logs = state_dir() / "setup"
         logs.mkdir(parents=True, exist_ok=True)
         path = logs / f"{self.spec.name}-worker-{worker}.log"
