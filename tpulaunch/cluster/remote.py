@@ -179,9 +179,9 @@ SETUP_255 = 254
 def setup_stdin(setup: str) -> str:
     """What `bash -s` on a worker reads: the set-up script (`set -e`) in a subshell whose exit status
     255 leaves as SETUP_255, with a line saying so."""
+    said = f"tpulaunch: the setup exited 255, reported as {SETUP_255} (gcloud runs an ssh that exits 255 again)"
     return (f"(\nset -e\n{setup}\n)\nrc=$?\nif [ \"$rc\" -eq 255 ]; then\n"
-            f"  echo 'tpulaunch: the setup exited 255, reported as {SETUP_255} (gcloud runs an ssh that exits 255 again)' >&2\n"
-            f"  exit {SETUP_255}\nfi\nexit \"$rc\"\n")
+            f"  echo '{said}' >&2\n  exit {SETUP_255}\nfi\nexit \"$rc\"\n")
 
 
 @dataclass(frozen=True)
