@@ -56,6 +56,7 @@ _DROP = ("RAY_ADDRESS", "RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE", "RAY_
 # a host process gets the node's own values, where the node has them (GKE's TPU device plugin sets them
 # with TPU_SKIP_MDS_QUERY, and libtpu then reads the grid from them alone), never a worker's.
 NODE_TPU_ENV = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS")
+_NOT_INHERITED = frozenset(_DROP + NODE_TPU_ENV + PLAN_MULTISLICE_ENV)  # what host_env never takes from this agent
 EXIT_TPU_BUSY = ExitCode.TPU_BUSY  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
 DRIVER_GONE_S = 60.0  # a run nobody polled for this long has lost its driver
 SPARE_WAIT_S = 60.0  # a run waits this long for a spare still importing its framework (then: a fresh process)
@@ -196,7 +197,7 @@ def host_env() -> dict[str, str]:
     The TPU grid is the node's too (NODE_TPU_ENV); the slices a run spans are the plan's alone
     (PLAN_MULTISLICE_ENV).
     """
-    env = {k: v for k, v in os.environ.items() if k not in _DROP + NODE_TPU_ENV + PLAN_MULTISLICE_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
     node = _raylet_env()
     if node is not None:
         env.update({k: node[k] for k in NODE_TPU_ENV if k in node})
