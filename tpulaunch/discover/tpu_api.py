@@ -41,6 +41,8 @@ ENDPOINT_ENV = "TPULAUNCH_TPU_API_ENDPOINT"
 TIMEOUT_ENV = "TPULAUNCH_API_TIMEOUT"
 DEFAULT_ENDPOINT = "tpu.googleapis.com"
 DEFAULT_TIMEOUT = 10.0
+# Queued-resource states its slice does not come back from by itself (preempted, or the request failed).
+QR_GONE_BAD = ("SUSPENDING", "SUSPENDED", "FAILED")
 _SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
 _ADC_HINT = "run `gcloud auth application-default login` (or set GOOGLE_APPLICATION_CREDENTIALS to a key file)"
@@ -543,7 +545,7 @@ def queued_resource_specs(
                 node = api.get_node(node_name)
             except NodeNotFoundError:
                 node_id = node_name.rsplit('/', 1)[-1]
-                if state in ("SUSPENDING", "SUSPENDED", "FAILED"):  # it will not come back by itself
+                if state in QR_GONE_BAD:
                     raise SliceNotReadyError(
                         f"queued resource '{name}' is {state}: its node {node_id} is gone",
                         f"delete it and create it again (tpulaunch slice delete {name}, then slice create), or let"

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from tpulaunch.discover.tpu_api import TpuApi, api_timeout
+from tpulaunch.discover.tpu_api import QR_GONE_BAD as GONE_BAD, TpuApi, api_timeout
 from tpulaunch.errors import CapacityError, LaunchError, NameTakenError, NodeNotFoundError
 from tpulaunch.plan import topology as topo_mod
 
@@ -32,7 +32,6 @@ DEFAULT_RUNTIME = {"v2": "tpu-ubuntu2204-base", "v3": "tpu-ubuntu2204-base", "v4
                    "v5e": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5", "v6e": "v2-alpha-tpuv6e"}
 TIERS = ("on-demand", "spot", "reserved", "guaranteed")
 WAITING = ("CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING")
-GONE_BAD = ("SUSPENDING", "SUSPENDED", "FAILED")
 Progress = Callable[[str], None]
 
 
