@@ -90,6 +90,9 @@ SCRIPTS = {
 
         xr.use_spmd()
         dist.init_process_group("gloo", init_method="xla://")
+        # torch_xla's checkpoint manager, as its docs make it: its preemption sync starts XLA's
+        # coordination service in host 0, which every other host's runtime polls until it ends
+        manager = xc.CheckpointManager(sys.argv[1] + "-managed", 10)
         device = torch_xla.device()
         n, hosts, me = xr.global_runtime_device_count(), xr.process_count(), xr.process_index()
         mesh = xs.Mesh(np.arange(n), (hosts, n // hosts), ("data", "model"))
@@ -125,10 +128,11 @@ SCRIPTS = {
             print(f"LOADED equal={torch.equal(state['w'].cpu(), wt.cpu())}", flush=True)
 
         # on the way out, as from `python minibatch_ckpt.py`: the non-daemon thread is waited for,
-        # then the atexit handler runs (where wandb, TensorBoard writers, async checkpointers finish)
+        # then the atexit handler runs (where wandb, TensorBoard writers, async checkpointers finish);
+        # host 1's takes longer, so host 0 would end first and host 1 abort, polling a service gone
         import atexit, threading, time
         def upload():
-            time.sleep(0.5)
+            time.sleep(0.5 if xr.process_index() == 0 else 2.5)
             print("EXIT thread done", flush=True)
         threading.Thread(target=upload).start()
         atexit.register(lambda: print(f"EXIT atexit {xr.process_index()}", flush=True))

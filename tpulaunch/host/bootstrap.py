@@ -25,7 +25,7 @@ _MARKER: list[int] = []  # the fd of the run's heartbeat file, held open (see _h
 
 from tpulaunch import settings
 from tpulaunch.host import context as ctx_mod
-from tpulaunch.host import frameworks
+from tpulaunch.host import frameworks, leave
 from tpulaunch.errors import ExitCode, TpulaunchError
 from tpulaunch.host.context import PY_STDIO_ENV, TIMINGS_ENV
 from tpulaunch.plan.contract import HostState
@@ -138,9 +138,10 @@ def main(argv: list[str]) -> int:
         _flush()
         _exit_steps(code, fw, state.process_index, local_rank)
         if code == 0:
-            # A clean leave can be a barrier with the other hosts (jax.distributed.shutdown);
-            # a failed host must leave at once so the launch fails fast.
+            # A clean leave can be a barrier with the other hosts (jax.distributed.shutdown, or
+            # host/leave.py's for torch_xla); a failed host must leave at once so the launch fails fast.
             fw.shutdown()
+            leave.in_order(state)
     return code
 
 

@@ -30,6 +30,7 @@ class Endpoints:
     group_port: int | None = None
     jax_port: int | None = None  # JAX's coordinator (jax.distributed), when the framework is JAX
     emulation_port: int | None = None  # emulated torch_xla hosts' own store (per-host input)
+    exit_port: int | None = None  # torch_xla hosts leave in order over it, process 0 last (host/leave.py)
     megascale_port: int = MEGASCALE_PORT
 
     @property
@@ -49,7 +50,7 @@ class Endpoints:
         return f"{self.host}:{self.emulation_port}" if self.emulation_port is not None else None
 
     def moved(self, *, master_port: int | None = None, group_port: int | None = None, jax_port: int | None = None,
-              emulation_port: int | None = None) -> "Endpoints":
+              emulation_port: int | None = None, exit_port: int | None = None) -> "Endpoints":
         """The same meeting place with the given ports replaced (a restart on one machine)."""
         return replace(
             self,
@@ -57,6 +58,7 @@ class Endpoints:
             group_port=group_port or self.group_port,
             jax_port=jax_port if (jax_port and self.jax_port is not None) else self.jax_port,
             emulation_port=emulation_port if (emulation_port and self.emulation_port is not None) else self.emulation_port,
+            exit_port=exit_port if (exit_port and self.exit_port is not None) else self.exit_port,
         )
 
 

@@ -235,6 +235,7 @@ def build_plan(
     emulated: bool,
     emulation_env: Mapping[str, str] | None = None,
     emulation_port: int | None = None,
+    exit_port: int | None = None,
     metadata_server: bool = False,
     distributed: bool = True,
     log_dir: str,
@@ -249,7 +250,8 @@ def build_plan(
     without one (emulation, containers) the slice facts are pushed as `TPU_*` variables (see
     `plan.env`). `emulation_env` is what the framework adapter needs to emulate a host on CPU,
     applied when `emulated`; `emulation_port` is the port of the store emulated hosts use among
-    themselves (per-host input is all-gathered over it).
+    themselves (per-host input is all-gathered over it); `exit_port` the one torch_xla hosts leave
+    over in order (`host/leave.py`).
     """
     topo = mesh.topology
     if len(slices) != mesh.num_slices:
@@ -270,7 +272,7 @@ def build_plan(
     endpoints = Endpoints(
         host=slices[0].workers[0].ip, master_port=coordinator_port, group_port=group_port,
         jax_port=jax_coordinator_port, emulation_port=emulation_port if emulated else None,
-        megascale_port=megascale_port,
+        megascale_port=megascale_port, exit_port=exit_port,
     )
     return LaunchPlan(job=job, slices=tuple(slices), hosts=hosts, endpoints=endpoints)
 

@@ -415,7 +415,7 @@ def _fresh_endpoints(plan: LaunchPlan):  # noqa: ANN202 - Endpoints
     if not plan.emulated:
         return plan.endpoints
     return plan.endpoints.moved(master_port=free_port(), group_port=free_port(), jax_port=free_port(),
-                                emulation_port=free_port())
+                                emulation_port=free_port(), exit_port=free_port())
 
 
 def _wait_for_slice(plan: LaunchPlan, cluster: ClusterInfo, wait_s: float, sigs: Interrupts, sink: Sink) -> bool:

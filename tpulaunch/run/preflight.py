@@ -47,6 +47,8 @@ def ports(plan: LaunchPlan) -> list[tuple[int, str]]:
         out.append((e.jax_port, "the JAX coordinator"))
     if e.emulation_port is not None:
         out.append((e.emulation_port, "the emulated hosts' input store"))
+    if e.exit_port is not None:
+        out.append((e.exit_port, "the hosts' ordered exit"))
     if plan.mesh.num_slices > 1 and not plan.emulated:
         out.append((e.megascale_port, "the MEGASCALE coordinator"))
     return out

@@ -239,6 +239,8 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
         jax_coordinator_port=(free_port() if emulated else port + 1) if fw == "jax" else None,
         emulated=emulated, emulation_env=frameworks.get(fw).emulation_env(resolved.topology, resolved.num_slices),
         emulation_port=free_port() if emulated else None,
+        # torch_xla's hosts leave in order (host/leave.py); port + 1 is JAX's coordinator's under JAX
+        exit_port=(free_port() if emulated else port + 1) if fw == "torch_xla" and not req.command else None,
         # every real host is a TPU VM whose metadata server knows its slice (torus wraparound and
         # more than the plan holds): a queued resource's nodes too, however they were found
         metadata_server=not emulated, distributed=req.distributed and not req.command,

@@ -1,0 +1,113 @@
+"""The hosts of a multi-host torch_xla run leave in order after a clean end: process 0 last.
+
+Why: torch_xla starts XLA's coordination service in process 0 (`CheckpointManager` does, for its
+preemption sync, on a slice and in emulation alike) and never shuts it down: its client is leaked,
+so no shutdown barrier runs at exit. Every other host's runtime polls that service; when process 0
+is gone first, a host still on its way out aborts ("Terminating process because the JAX distributed
+service detected fatal errors": SIGABRT, exit 134), and a run that trained well fails. JAX's own
+`jax.distributed.shutdown()` is such a barrier; this is one for torch_xla.
+
+How: process 0 listens on `Endpoints.exit_port`; every other host, once its script ended well,
+connects, says which host of which attempt it is, hears that process 0 is the one it means, and
+keeps the connection open until its process ends. Process 0 leaves once every other host's
+connection has closed (the kernel closes it when that process is gone), so none is left polling.
+A failed host never comes (the launcher stops the run instead); both sides give up after
+`TPULAUNCH_DIST_TIMEOUT` and say so in the host log.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from tpulaunch import settings
+
+if TYPE_CHECKING:
+    from tpulaunch.plan.contract import HostState
+
+_HELD: list[socket.socket] = []  # a host's connection, open until its process ends (os._exit)
+_RETRY_S = 0.2
+_TIMEOUT = "TPULAUNCH_DIST_TIMEOUT"
+
+
+def in_order(state: "HostState") -> None:
+    """Leave after every other host (process 0) or tell process 0 this host is leaving (the others)."""
+    port = state.endpoints.exit_port
+    if port is None or state.num_processes == 1:
+        return
+    timeout_s = settings.seconds(_TIMEOUT, settings.HOST_SECONDS[_TIMEOUT])  # checked on the driver
+    token = f"tpulaunch-leave {state.run_id} {state.attempt}"
+    if state.process_index == 0:
+        _last(port, token, state.num_processes - 1, timeout_s)
+    else:
+        _announce(state.endpoints.host, port, token, state.process_index, timeout_s)
+
+
+def _last(port: int, token: str, others: int, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("", port))
+    listener.listen(others + 8)
+    said: dict[socket.socket, bytes] = {}  # connections that have not said who they are yet
+    staying: dict[socket.socket, int] = {}  # host index, for each other host still alive
+    gone: set[int] = set()
+    try:
+        while len(gone) < others:
+            left = end - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(1, others + 1)) - gone)
+                print(f"tpulaunch: host 0: host(s) {missing} had not left {timeout_s:g} s after this one ended"
+                      " (TPULAUNCH_DIST_TIMEOUT); leaving", file=sys.stderr, flush=True)
+                return
+            ready, _, _ = select.select([listener, *said, *staying], [], [], left)
+            for s in ready:
+                if s is listener:
+                    conn, _ = listener.accept()
+                    said[conn] = b""
+                elif s in said:
+                    data = _recv(s, 256)
+                    said[s] += data
+                    if not data or len(said[s]) > 200:
+                        said.pop(s).close()  # not one of ours
+                    elif said[s].endswith(b"\n"):
+                        words = said.pop(s).decode(errors="replace").split()
+                        if " ".join(words[:-1]) == token and words[-1].isdigit():
+                            s.sendall(b"ok\n")
+                            staying[s] = int(words[-1])
+                        else:
+                            s.close()
+                elif not _recv(s, 1):  # the kernel closed it: that host's process has ended
+                    gone.add(staying.pop(s))
+                    s.close()
+    finally:
+        for s in (*said, *staying):
+            s.close()
+        listener.close()
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    try:
+        return s.recv(n)
+    except OSError:  # reset: gone as well
+        return b""
+
+
+def _announce(host: str, port: int, token: str, index: int, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            s = socket.create_connection((host, port), timeout=max(0.1, min(5.0, end - time.monotonic())))
+            s.sendall(f"{token} {index}\n".encode())
+            if s.recv(3) == b"ok\n":
+                _HELD.append(s)  # closed by the kernel when this process ends, which process 0 waits for
+                return
+            s.close()  # another listener on that port (a finished attempt's, or not ours)
+        except OSError:
+            pass  # process 0 is not leaving yet
+        time.sleep(_RETRY_S)
+    print(f"tpulaunch: host {index}: host 0 was not leaving {timeout_s:g} s after this one ended"
+          " (TPULAUNCH_DIST_TIMEOUT); leaving", file=sys.stderr, flush=True)
