@@ -90,6 +90,14 @@ def test_a_listener_of_another_run_or_attempt_is_not_taken_for_process_0(monkeyp
     assert set(done) == {0, 1}  # each gave up after TPULAUNCH_DIST_TIMEOUT and left
 
 
+def test_process_0_whose_exit_port_is_taken_says_so_and_leaves(capsys):
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen(1)
+        leave.in_order(_state(0, 2, taken.getsockname()[1]))
+    assert "cannot wait for the other hosts to leave first: port" in capsys.readouterr().err
+
+
 def test_one_host_or_no_exit_port_leaves_at_once():
     leave.in_order(_state(0, 1, _free_port()))
     leave.in_order(_state(0, 2, None))

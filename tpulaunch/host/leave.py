@@ -50,8 +50,14 @@ def _last(port: int, token: str, others: int, timeout_s: float) -> None:
     end = time.monotonic() + timeout_s
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("", port))
-    listener.listen(others + 8)
+    try:
+        listener.bind(("", port))
+        listener.listen(others + 8)
+    except OSError as e:  # the script ended well: that stays its outcome, in order or not
+        listener.close()
+        print(f"tpulaunch: host 0: cannot wait for the other hosts to leave first: port {port}: {e.strerror}",
+              file=sys.stderr, flush=True)
+        return
     said: dict[socket.socket, bytes] = {}  # connections that have not said who they are yet
     staying: dict[socket.socket, int] = {}  # host index, for each other host still alive
     gone: set[int] = set()
