@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from tpulaunch.plan.contract import HostState
 
 _HELD: list[socket.socket] = []  # a host's connection, open until its process ends (os._exit)
-_RETRY_S = 0.2
+_RETRY_S = 0.05  # a refused connect costs microseconds; host 0 waits on each retry
 _TIMEOUT = "TPULAUNCH_DIST_TIMEOUT"
 
 
