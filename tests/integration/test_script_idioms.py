@@ -9,8 +9,10 @@ see on the slice.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 
 from support import REPO, SHARED, SHARED_HOSTS, last_summary, run_cli, write_scripts
+from test_faults import Launch, _host_pid, _run_id
 
 HOSTS = SHARED_HOSTS
 
@@ -137,6 +140,41 @@ SCRIPTS = {
         threading.Thread(target=upload).start()
         atexit.register(lambda: print(f"EXIT atexit {xr.process_index()}", flush=True))
     """,
+    # torch_xla's preemption handling, as its docs show it: CheckpointManager saves at the step all
+    # hosts agree on after a SIGTERM (XLA's preemption sync), and the script leaves after it
+    "preempt_sync.py": """
+        import sys, time
+        import torch, torch.distributed as dist
+        import torch_xla, torch_xla.runtime as xr
+        import torch_xla.distributed.xla_backend
+        import torch_xla.experimental.distributed_checkpoint as xc
+
+        xr.use_spmd()
+        dist.init_process_group("gloo", init_method="xla://")
+        ckpt = xc.CheckpointManager(sys.argv[1], 10_000)  # no step is on the interval: only a preemption saves
+        me = xr.process_index()
+        w = torch.zeros(8).to(torch_xla.device())
+        start = max(ckpt.all_steps(), default=0)
+        if start:
+            state = {"w": w}
+            ckpt.restore(start, state)
+            w = state["w"]
+            print(f"RESUMED {me} at step {start} w={w.sum().item():.0f}", flush=True)
+        for step in range(start + 1, start + 10_000):
+            w = w + 1
+            torch_xla.sync()
+            if step == start + 1:
+                print(f"READY {me} attempt {1 if start else 0}", flush=True)
+            if ckpt.save(step, {"w": w}):
+                print(f"SAVED {me} at step {step} w={w.sum().item():.0f}", flush=True)
+            if ckpt.reached_preemption(step):
+                print(f"LEAVING {me} at step {step}", flush=True)
+                sys.exit(0)
+            if start and step == start + 3:
+                print(f"DONE {me} w={w.sum().item():.0f}", flush=True)
+                break
+            time.sleep(0.2)
+    """,
 }
 
 
@@ -247,4 +285,33 @@ def test_fsdpv2_recipe_resumes_from_its_checkpoint(shared_cluster, tmp_path):
         for step in (3, 4):  # the same loss curve after the restore
             assert host[step] == pytest.approx(first[0][step], rel=1e-4, abs=1e-5), (step, host, first[0])
 
+
+@pytest.mark.cluster
+def test_checkpoint_managers_preemption_sync_saves_on_every_host_and_the_run_resumes(shared_cluster, workdir,
+                                                                                      tmp_path):
+    """Host 1's VM goes away (SIGTERM to its agent, as in test_faults): tpulaunch gives every host's
+    script SIGTERM and its grace, XLA's preemption sync picks one step for all, CheckpointManager
+    saves there and the scripts leave; the next attempt restores that step and finishes."""
+    launch = Launch(["preempt_sync.py", *SHARED, "--address", "auto", "--log-dir", str(tmp_path / "runs"), "--json",
+                     "--max-preemptions", "1", "--", str(tmp_path / "ckpt")], workdir, shared_cluster["env"])
+    launch.wait_for(r"\] READY \d attempt 0", HOSTS)
+    run_id = _run_id(tmp_path / "runs")
+    agent = int(Path(f"/proc/{_host_pid(run_id, 1)}/stat").read_text().split(") ")[-1].split()[1])
+    os.kill(agent, signal.SIGTERM)
+    rc, s = launch.finish()
+    out = "".join(launch.lines + launch.err)
+    assert rc == 0 and s["preemptions"] == 1 and s["restarts"] == 0, out[-3000:]
+    a0, a1 = s["attempts"]
+    assert a0["outcome"] == "preempted" and a0["first_failure"]["process_index"] == 1 and a1["outcome"] == "ok"
+    logs = [Path(h["log"]).read_text() for h in a0["hosts"]]
+    saved = [re.findall(r"^SAVED (\d) at step (\d+) w=(\d+)$", text, re.M) for text in logs]
+    assert [len(x) for x in saved] == [1, 1], logs  # once, on every host
+    (i0, step, w), (i1, step1, w1) = saved[0][0], saved[1][0]
+    assert (i0, i1) == ("0", "1") and step == step1 and w == w1 == str(8 * int(step))  # the same step on both
+    for i, text in enumerate(logs):
+        assert f"LEAVING {i} at step {step}" in text  # ...and each left there, with exit 0
+    assert all(h["exit_code"] == 0 for h in a0["hosts"]), a0["hosts"]
+    for i, h in enumerate(a1["hosts"]):
+        text = Path(h["log"]).read_text()
+        assert f"RESUMED {i} at step {step} w={w}" in text and f"DONE {i} w={8 * (int(step) + 3)}" in text
 
