@@ -77,6 +77,32 @@ def test_process_0_leaves_only_once_every_other_hosts_process_has_ended(monkeypa
     assert 0 in done
 
 
+def test_process_0_of_a_pod_waits_for_more_hosts_than_select_can_watch(monkeypatch):
+    """v5p-12288 has 1,536 hosts: process 0 holds a connection per other host, past select()'s 1,024."""
+    others = 1100
+    port, done = _free_port(), {}
+    leader = _leave(_state(0, others + 1, port), done)
+    held = []
+    for i in range(1, others + 1):
+        for _ in range(100):  # until the leader listens
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.02)
+        s.sendall(f"tpulaunch-leave r1 0 {i}\n".encode())
+        assert s.recv(3) == b"ok\n"
+        held.append(s)
+    assert max(s.fileno() for s in held) > 1024 and leader.is_alive()
+    for s in held[:-1]:
+        s.close()
+    leader.join(0.3)
+    assert leader.is_alive(), "process 0 left while one host was still leaving"
+    held[-1].close()
+    leader.join(10)
+    assert 0 in done
+
+
 def test_a_listener_of_another_run_or_attempt_is_not_taken_for_process_0(monkeypatch):
     monkeypatch.setattr(leave, "_HELD", [])
     monkeypatch.setattr(leave, "_RETRY_S", 0.05)

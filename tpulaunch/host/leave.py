@@ -17,7 +17,8 @@ A failed host never comes (the launcher stops the run instead); both sides give 
 
 from __future__ import annotations
 
-import select
+import resource
+import selectors
 import socket
 import sys
 import time
@@ -48,51 +49,84 @@ def in_order(state: "HostState") -> None:
 
 def _last(port: int, token: str, others: int, timeout_s: float) -> None:
     end = time.monotonic() + timeout_s
+    _room_for(others + 64)  # a pod's process 0 holds a connection per other host (v5p-12288: 1,535)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind(("", port))
-        listener.listen(others + 8)
+        listener.listen(min(others, 4096))
     except OSError as e:  # the script ended well: that stays its outcome, in order or not
         listener.close()
-        print(f"tpulaunch: host 0: cannot wait for the other hosts to leave first: port {port}: {e.strerror}",
-              file=sys.stderr, flush=True)
+        _say(f"host 0: cannot wait for the other hosts to leave first: port {port}: {e.strerror}")
         return
+    sel = selectors.DefaultSelector()  # epoll: no FD_SETSIZE bound, as select() has
+    sel.register(listener, selectors.EVENT_READ)
     said: dict[socket.socket, bytes] = {}  # connections that have not said who they are yet
     staying: dict[socket.socket, int] = {}  # host index, for each other host still alive
     gone: set[int] = set()
+
+    def drop(s: socket.socket) -> None:
+        sel.unregister(s)
+        s.close()
+
     try:
         while len(gone) < others:
             left = end - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(1, others + 1)) - gone)
-                print(f"tpulaunch: host 0: host(s) {missing} had not left {timeout_s:g} s after this one ended"
-                      " (TPULAUNCH_DIST_TIMEOUT); leaving", file=sys.stderr, flush=True)
+                _say(f"host 0: host(s) {_brief(missing)} had not left {timeout_s:g} s after this one ended"
+                     f" ({_TIMEOUT}); leaving")
                 return
-            ready, _, _ = select.select([listener, *said, *staying], [], [], left)
-            for s in ready:
+            for key, _ in sel.select(left):
+                s = key.fileobj
                 if s is listener:
-                    conn, _ = listener.accept()
+                    try:
+                        conn, _ = listener.accept()
+                    except OSError as e:  # out of descriptors: leave as before, unordered
+                        _say(f"host 0: cannot wait for the other hosts to leave first: {e.strerror}")
+                        return
                     said[conn] = b""
+                    sel.register(conn, selectors.EVENT_READ)
                 elif s in said:
                     data = _recv(s, 256)
                     said[s] += data
                     if not data or len(said[s]) > 200:
-                        said.pop(s).close()  # not one of ours
+                        del said[s]
+                        drop(s)  # not one of ours
                     elif said[s].endswith(b"\n"):
                         words = said.pop(s).decode(errors="replace").split()
                         if " ".join(words[:-1]) == token and words[-1].isdigit():
                             s.sendall(b"ok\n")
                             staying[s] = int(words[-1])
                         else:
-                            s.close()
+                            drop(s)
                 elif not _recv(s, 1):  # the kernel closed it: that host's process has ended
                     gone.add(staying.pop(s))
-                    s.close()
+                    drop(s)
     finally:
         for s in (*said, *staying):
             s.close()
+        sel.close()
         listener.close()
+
+
+def _room_for(fds: int) -> None:
+    """Raise this process's soft limit on open files towards its hard one, if it is below `fds`."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < fds:
+        try:
+            want = fds if hard == resource.RLIM_INFINITY else min(fds, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass  # accept() says so if it runs out
+
+
+def _brief(hosts: list[int]) -> str:
+    return ", ".join(map(str, hosts[:8])) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")
+
+
+def _say(line: str) -> None:
+    print(f"tpulaunch: {line}", file=sys.stderr, flush=True)
 
 
 def _recv(s: socket.socket, n: int) -> bytes:
@@ -105,15 +139,19 @@ def _recv(s: socket.socket, n: int) -> bytes:
 def _announce(host: str, port: int, token: str, index: int, timeout_s: float) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
+        s = None
         try:
             s = socket.create_connection((host, port), timeout=max(0.1, min(5.0, end - time.monotonic())))
             s.sendall(f"{token} {index}\n".encode())
-            if s.recv(3) == b"ok\n":
+            reply = b""
+            while not reply.endswith(b"\n") and len(reply) < 3 and (part := s.recv(3 - len(reply))):
+                reply += part
+            if reply == b"ok\n":
                 _HELD.append(s)  # closed by the kernel when this process ends, which process 0 waits for
                 return
             s.close()  # another listener on that port (a finished attempt's, or not ours)
-        except OSError:
-            pass  # process 0 is not leaving yet
+        except OSError:  # process 0 is not leaving yet
+            if s is not None:
+                s.close()
         time.sleep(_RETRY_S)
-    print(f"tpulaunch: host {index}: host 0 was not leaving {timeout_s:g} s after this one ended"
-          " (TPULAUNCH_DIST_TIMEOUT); leaving", file=sys.stderr, flush=True)
+    _say(f"host {index}: host 0 was not leaving {timeout_s:g} s after this one ended ({_TIMEOUT}); leaving")
