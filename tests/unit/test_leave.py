@@ -59,7 +59,7 @@ def _until(cond) -> None:
 
 def test_process_0_leaves_only_once_every_other_hosts_process_has_ended(monkeypatch):
     monkeypatch.setattr(leave, "_HELD", [])
-    monkeypatch.setattr(leave, "_RETRY_S", 0.05)
+    monkeypatch.setattr(leave, "_RETRY_S", (0.02, 0.05))
     port, done = _free_port(), {}
     _leave(_state(1, 3, port), done)  # host 1 ends first: it waits until process 0 is leaving too
     time.sleep(0.3)
@@ -105,7 +105,7 @@ def test_process_0_of_a_pod_waits_for_more_hosts_than_select_can_watch(monkeypat
 
 def test_a_listener_of_another_run_or_attempt_is_not_taken_for_process_0(monkeypatch):
     monkeypatch.setattr(leave, "_HELD", [])
-    monkeypatch.setattr(leave, "_RETRY_S", 0.05)
+    monkeypatch.setattr(leave, "_RETRY_S", (0.02, 0.05))
     monkeypatch.setenv("TPULAUNCH_DIST_TIMEOUT", "1")
     port, done = _free_port(), {}
     leader = _leave(_state(0, 2, port, attempt=0), done)  # attempt 0's process 0, still leaving

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from tpulaunch.plan.contract import HostState
 
 _HELD: list[socket.socket] = []  # a host's connection, open until its process ends (os._exit)
-_RETRY_S = 0.05  # a refused connect costs microseconds; host 0 waits on each retry
+_RETRY_S = (0.05, 1.0)  # first and longest pause between connects: quick at the usual end, in lockstep,
+# and no flood of a pod's 1,535 hosts at process 0 while it does more work at its end than they did
 _TIMEOUT = "TPULAUNCH_DIST_TIMEOUT"
 
 
@@ -138,6 +139,7 @@ def _recv(s: socket.socket, n: int) -> bytes:
 
 def _announce(host: str, port: int, token: str, index: int, timeout_s: float) -> None:
     end = time.monotonic() + timeout_s
+    pause, longest = _RETRY_S
     while time.monotonic() < end:
         s = None
         try:
@@ -153,5 +155,6 @@ def _announce(host: str, port: int, token: str, index: int, timeout_s: float) ->
         except OSError:  # process 0 is not leaving yet
             if s is not None:
                 s.close()
-        time.sleep(_RETRY_S)
+        time.sleep(pause)
+        pause = min(2 * pause, longest)
     _say(f"host {index}: host 0 was not leaving {timeout_s:g} s after this one ended ({_TIMEOUT}); leaving")
