@@ -43,6 +43,11 @@ HOST_SECONDS = {"TPULAUNCH_DIST_TIMEOUT": 300.0, "TPULAUNCH_JAX_INIT_TIMEOUT": 3
                 "TPULAUNCH_EXIT_HANDLERS_TIMEOUT": 10.0}  # a failed script's atexit handlers and threads
 
 
+def host_seconds(name: str) -> float:
+    """A host's setting of HOST_SECONDS, from its environment (the driver has checked it already)."""
+    return seconds(name, HOST_SECONDS[name])
+
+
 def seconds(name: str, default: float, raw: str | None = None) -> float:
     """Seconds from environment variable `name` (or `raw`, its value from elsewhere, e.g. --env),
     unset or empty: `default`; else finite and above 0, or an error naming the variable."""

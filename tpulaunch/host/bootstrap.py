@@ -155,15 +155,15 @@ def _exit_steps(code: int, fw: frameworks.Framework, host: int, local_rank: int 
     would on a plain host (`--stall-timeout` or `--timeout` bound a host that never ends)."""
     if code != 0:
         name = "TPULAUNCH_EXIT_HANDLERS_TIMEOUT"
-        bound = settings.seconds(name, settings.HOST_SECONDS[name])  # checked on the driver
+        bound = settings.host_seconds(name)
 
-        def leave() -> None:
+        def leave_anyway() -> None:
             print(f"tpulaunch: host {host}{_of_rank(local_rank)}: the script's exit handlers and threads were"
                   f" still running {bound:g} s after it failed ({name}); leaving", file=sys.stderr)
             _flush()
             os._exit(code)
 
-        timer = threading.Timer(bound, leave)
+        timer = threading.Timer(bound, leave_anyway)
         timer.daemon = True
         timer.start()
         let_go = getattr(fw, "leaving_after_failure", None)

@@ -40,7 +40,7 @@ def in_order(state: "HostState") -> None:
     port = state.endpoints.exit_port
     if port is None or state.num_processes == 1:
         return
-    timeout_s = settings.seconds(_TIMEOUT, settings.HOST_SECONDS[_TIMEOUT])  # checked on the driver
+    timeout_s = settings.host_seconds(_TIMEOUT)
     token = f"tpulaunch-leave {state.run_id} {state.attempt}"
     if state.process_index == 0:
         _last(port, token, state.num_processes - 1, timeout_s)

@@ -73,7 +73,7 @@ class Jax:
                 process_id=state.process_index,
                 cluster_detection_method="deactivate",  # every value is explicit; detect nothing
                 initialization_timeout=int(settings.seconds("TPULAUNCH_JAX_INIT_TIMEOUT",
-                                                            settings.seconds("TPULAUNCH_DIST_TIMEOUT", 300))),
+                                                            settings.host_seconds("TPULAUNCH_DIST_TIMEOUT"))),
             )
             self._initialized = True
             _adopt_user_initialize(self, state)
@@ -124,7 +124,7 @@ class Jax:
         if not self._initialized:
             return
         self._initialized = False
-        timeout = settings.seconds("TPULAUNCH_JAX_SHUTDOWN_TIMEOUT", 30.0)
+        timeout = settings.host_seconds("TPULAUNCH_JAX_SHUTDOWN_TIMEOUT")
 
         def _shutdown() -> None:
             try:

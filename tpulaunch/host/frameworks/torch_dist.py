@@ -37,7 +37,7 @@ def dist_timeout() -> datetime.timedelta:
     """How long a collective may wait for the other hosts (`TPULAUNCH_DIST_TIMEOUT`, 300 s)."""
     from tpulaunch import settings
 
-    return datetime.timedelta(seconds=settings.seconds("TPULAUNCH_DIST_TIMEOUT", 300.0))
+    return datetime.timedelta(seconds=settings.host_seconds("TPULAUNCH_DIST_TIMEOUT"))
 
 
 def init_slice_group(state: "HostState") -> None:
