@@ -17,17 +17,12 @@ import pytest
 from support import write_scripts
 from tpulaunch import run
 from tpulaunch.discover import SliceRequest
+from tpulaunch.cluster.ports import free_port
 from tpulaunch.host import leave
 from tpulaunch.plan.contract import Endpoints
 from tpulaunch.run.preflight import ports
 
 pytestmark = pytest.mark.unit
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state(index: int, hosts: int, port: int | None, attempt: int = 0):
@@ -60,7 +55,7 @@ def _until(cond) -> None:
 def test_process_0_leaves_only_once_every_other_hosts_process_has_ended(monkeypatch):
     monkeypatch.setattr(leave, "_HELD", [])
     monkeypatch.setattr(leave, "_RETRY_S", (0.02, 0.05))
-    port, done = _free_port(), {}
+    port, done = free_port(), {}
     _leave(_state(1, 3, port), done)  # host 1 ends first: it waits until process 0 is leaving too
     time.sleep(0.3)
     assert not done
@@ -80,7 +75,7 @@ def test_process_0_leaves_only_once_every_other_hosts_process_has_ended(monkeypa
 def test_process_0_of_a_pod_waits_for_more_hosts_than_select_can_watch(monkeypatch):
     """v5p-12288 has 1,536 hosts: process 0 holds a connection per other host, past select()'s 1,024."""
     others = 1100
-    port, done = _free_port(), {}
+    port, done = free_port(), {}
     leader = _leave(_state(0, others + 1, port), done)
     held = []
     for i in range(1, others + 1):
@@ -107,7 +102,7 @@ def test_a_listener_of_another_run_or_attempt_is_not_taken_for_process_0(monkeyp
     monkeypatch.setattr(leave, "_HELD", [])
     monkeypatch.setattr(leave, "_RETRY_S", (0.02, 0.05))
     monkeypatch.setenv("TPULAUNCH_DIST_TIMEOUT", "1")
-    port, done = _free_port(), {}
+    port, done = free_port(), {}
     leader = _leave(_state(0, 2, port, attempt=0), done)  # attempt 0's process 0, still leaving
     host1 = _leave(_state(1, 2, port, attempt=1), done)   # attempt 1's host 1
     host1.join(5)
@@ -125,7 +120,7 @@ def test_process_0_whose_exit_port_is_taken_says_so_and_leaves(capsys):
 
 
 def test_one_host_or_no_exit_port_leaves_at_once():
-    leave.in_order(_state(0, 1, _free_port()))
+    leave.in_order(_state(0, 1, free_port()))
     leave.in_order(_state(0, 2, None))
     leave.in_order(_state(1, 2, None))
 
