@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+import machine
+
 QUEUE = os.environ.get("TPULAUNCH_TEST_QUEUE")
 
 # The units that take longest, first (CPU-s of each run alone on these machines, 2026-11-26: the
@@ -95,3 +97,4 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if QUEUE and TAKEN:
         took = ", ".join(f"{name} ({n}, {s:.0f} s)" for name, n, s in TAKEN)
         terminalreporter.write_line(f"this process took: {took}")
+        terminalreporter.write_line(machine.report())
