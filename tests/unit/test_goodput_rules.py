@@ -79,6 +79,10 @@ def test_a_script_without_heartbeats_gets_the_coarse_buckets_and_says_what_it_co
     assert sum(b.values()) == pytest.approx(g.wall_s, abs=1e-6)
     assert b["productive"] == 0.0 and b["script"] > 0 and b["recovery"] > 0
     assert "heartbeat(step=N)" in g.unseen["productive"] and "wasted_progress" in g.unseen
+    # not "goodput 0%": the steps' time is in `script`, unsplit
+    assert g.goodput is None and g.to_dict()["goodput"] is None
+    assert g.line().startswith("goodput unknown: the script reported no step (`tpulaunch.heartbeat(step=N)`"
+                               " counts them); 21.6 s in all (script ")
 
 
 def test_a_run_going_on_counts_up_to_now():

@@ -44,12 +44,22 @@ class Goodput:
     ongoing: bool = False
 
     @property
-    def goodput(self) -> float:
+    def steps_seen(self) -> bool:
+        """Whether any attempt reported a step: without one, the steps' time is not told from the
+        rest of the script's, and a goodput of 0 would be a claim, not a measure."""
+        return any("first_step" in a for a in self.attempts)
+
+    @property
+    def goodput(self) -> float | None:
+        """productive / wall; None when no step was reported."""
+        if not self.steps_seen:
+            return None
         return self.buckets["productive"] / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_dict(self) -> dict:
+        good = self.goodput
         return {"schema": SCHEMA, "run_id": self.run_id, "wall_s": round(self.wall_s, 3),
-                "goodput": round(self.goodput, 4), "ongoing": self.ongoing,
+                "goodput": None if good is None else round(good, 4), "ongoing": self.ongoing,
                 "buckets": {k: round(v, 3) for k, v in self.buckets.items()}, "attempts": self.attempts,
                 "unseen": self.unseen}
 
@@ -58,7 +68,11 @@ class Goodput:
         top = sorted(((v, k) for k, v in self.buckets.items() if k not in ("productive",) and v >= 0.05), reverse=True)
         rest = ", ".join(f"{k} {v:.1f} s" for v, k in top[:3])
         so_far = " so far" if self.ongoing else ""
-        return (f"goodput{so_far} {100 * self.goodput:.0f}%: productive {self.buckets['productive']:.1f} s of"
+        good = self.goodput
+        if good is None:
+            return (f"goodput{so_far} unknown: the script reported no step (`tpulaunch.heartbeat(step=N)` counts"
+                    f" them); {self.wall_s:.1f} s in all" + (f" ({rest})" if rest else ""))
+        return (f"goodput{so_far} {100 * good:.0f}%: productive {self.buckets['productive']:.1f} s of"
                 f" {self.wall_s:.1f} s" + (f" ({rest})" if rest else ""))
 
 
