@@ -5,6 +5,8 @@ is tried again when its new VMs cannot join), and a plan moved onto a re-created
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tpulaunch.cluster.record import ClusterInfo, RemoteSpec
@@ -236,3 +238,20 @@ def test_a_vm_gcloud_calls_preempted_or_gone_is_gone_for_ssh():
     assert SshResult(1, "", preempted).vm_gone and SshResult(1, "", missing).vm_gone
     assert not SshResult(1, "", stopped).vm_gone and not SshResult(255, "", "ssh: connect to host: timed out").vm_gone
 
+
+
+def test_a_summary_carries_each_recreated_slice_typed_until_it_is_written():
+    """Attempt.recreated holds Recreation values; the summary's JSON has them as the documented
+    dicts, their step times rounded to 0.01 s."""
+    from tpulaunch.run.summary import Attempt, Outcome, RunSummary
+
+    rec = Recreation("ms-b", "ms-b", "its queued resource is SUSPENDED", {"delete_s": 1.23456, "create_s": 0.5})
+    rec.steps["ray_whole_s"] = 2.0049  # set after the slice is back in Ray, on the same value
+    a = Attempt(index=0, outcome=Outcome.PREEMPTED, exit_code=75, hosts=[], log_dir="/l", recreated=[rec])
+    s = RunSummary(run_id="r", exit_code=0, emulated=False, slices=[], mesh={}, hosts=[], first_failure=None,
+                   log_dir="/l", wall_s=1.0, attempts=[a])
+    want = {"slice": "ms-b", "queued_resource": "ms-b", "why": "its queued resource is SUSPENDED",
+            "steps": {"delete_s": 1.23, "create_s": 0.5, "ray_whole_s": 2.0}, "join_failures": []}
+    assert a.to_dict()["recreated"] == [want]
+    assert s.to_dict()["attempts"][0]["recreated"] == [want]
+    assert json.loads(json.dumps(s.to_dict()))["attempts"][0]["outcome"] == "preempted"

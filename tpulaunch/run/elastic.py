@@ -23,6 +23,7 @@ from tpulaunch.plan.mesh import elastic_axis
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.plan.topology import Topology
 from tpulaunch.run.recreate import Comeback
+from tpulaunch.run.summary import Recreation
 
 
 def check(plan: LaunchPlan, min_slices: int) -> None:
@@ -102,9 +103,9 @@ class Regrowth:
         return self._comeback.again
 
     @property
-    def recreated(self) -> list[dict]:
+    def recreated(self) -> list[Recreation]:
         """The slices made again (`--recreate`), each with its steps timed."""
-        return [r.to_dict() for r in self._comeback.made]
+        return list(self._comeback.made)
 
     def _run(self) -> None:
         end = time.monotonic() + self.wait_s

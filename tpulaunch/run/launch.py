@@ -341,7 +341,7 @@ def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limi
                         failed = e
                     spent = replace(spent, preemptions=spent.preemptions + back.again)  # preempted again meanwhile
                     recs = back.made
-                    a.recreated = [r.to_dict() for r in recs]
+                    a.recreated = list(recs)
                     timeline.emit("recreate_end", slices=lost, ok=failed is None)
                     if failed is not None:
                         return spent, (f"the slice was not made again within --preemption-wait"
@@ -357,7 +357,7 @@ def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limi
                 if not _wait_for_slice(current, cluster, left, sigs, sink):
                     return spent, f"the slice was not whole again within --preemption-wait {req.preemption_wait:g} s"
                 for r in a.recreated:
-                    r["steps"]["ray_whole_s"] = round(time.monotonic() - t1, 2)
+                    r.steps["ray_whole_s"] = time.monotonic() - t1
             finally:
                 sigs.raise_now = False
         else:
@@ -389,7 +389,7 @@ def _resize(action: policy.Action, a: Attempt, current: LaunchPlan, full: Launch
         small = full.on_fleet(keep, frameworks.get(full.framework).emulation_env(full.topology, len(keep)))
         return small.for_attempt(current.attempt + 1, _fresh_endpoints(small), "shrink"), full
     back = [s for r in regrowths for s in r.lost]
-    a.recreated = [d for r in regrowths for d in r.recreated]
+    a.recreated = [rec for r in regrowths for rec in r.recreated]
     specs = next((r.slices for r in reversed(regrowths) if r.slices), None)
     regrowths.clear()
     if specs:  # re-created slices have new VMs and addresses
@@ -406,7 +406,7 @@ def attempts_brief(attempts: list[Attempt]) -> tuple[dict, ...]:
     for a in attempts:
         out.append({"index": a.index, "outcome": str(a.outcome), "exit_code": a.exit_code, "who": a.who,
                     "log_dir": a.log_dir, "reason": a.reason, "slices": list(a.slices),
-                    **({"recreated": a.recreated} if a.recreated else {})})
+                    **({"recreated": [r.to_dict() for r in a.recreated]} if a.recreated else {})})
     return tuple(out)
 
 

@@ -18,30 +18,15 @@ Ray on a loaded machine) are joined again, a slice preempted again before it was
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from tpulaunch.cluster.record import ClusterInfo, save_record
 from tpulaunch.errors import LaunchError, TpulaunchError
 from tpulaunch.plan.slicespec import SliceSpec
+from tpulaunch.run.summary import Recreation
 
 PREEMPTED_NODE = ("PREEMPTED", "TERMINATED", "STOPPED", "STOPPING", "DELETING")
 PREEMPTED_QR = ("SUSPENDING", "SUSPENDED", "FAILED", "DELETING")
-
-
-@dataclass
-class Recreation:
-    """One slice made again: what the API said, and how long each step took."""
-
-    slice: str
-    queued_resource: str
-    why: str  # node PREEMPTED, queued resource SUSPENDED, node gone ...
-    steps: dict[str, float] = field(default_factory=dict)  # delete_s, create_s, provision_s, setup_join_s, ray_whole_s
-    join_failures: list[str] = field(default_factory=list)  # each set-up or join of its new VMs that failed
-
-    def to_dict(self) -> dict:
-        return {"slice": self.slice, "queued_resource": self.queued_resource, "why": self.why,
-                "steps": {k: round(v, 2) for k, v in self.steps.items()}, "join_failures": list(self.join_failures)}
 
 
 def must_recreate(node_state: str | None, qr_state: str | None) -> str | None:

@@ -88,6 +88,22 @@ class HostResult:
 
 
 @dataclass
+class Recreation:
+    """One slice made again after an attempt (`--recreate`): what the API said, and how long each
+    step took (seconds, rounded to 0.01 where the summary is written)."""
+
+    slice: str
+    queued_resource: str
+    why: str  # node PREEMPTED, queued resource SUSPENDED, node gone ...
+    steps: dict[str, float] = field(default_factory=dict)  # delete_s, create_s, provision_s, setup_join_s, ray_whole_s
+    join_failures: list[str] = field(default_factory=list)  # each set-up or join of its new VMs that failed
+
+    def to_dict(self) -> dict:
+        return {"slice": self.slice, "queued_resource": self.queued_resource, "why": self.why,
+                "steps": {k: round(v, 2) for k, v in self.steps.items()}, "join_failures": list(self.join_failures)}
+
+
+@dataclass
 class Attempt:
     index: int
     outcome: Outcome
@@ -100,7 +116,7 @@ class Attempt:
     timings: dict = field(default_factory=dict)
     signal: str | None = None  # SIGINT / SIGTERM when interrupted
     findings: list[dict] = field(default_factory=list)  # preflight: errors and warnings, by host
-    recreated: list[dict] = field(default_factory=list)  # --recreate: the slices made again after it, each step timed
+    recreated: list[Recreation] = field(default_factory=list)  # --recreate: the slices made again after it
     slices: list[str] = field(default_factory=list)  # the slices it ran on (fewer than the run's after a shrink)
     reason: str = "first"  # why it ran: first, restart, preemption, shrink, grow
 
@@ -111,7 +127,9 @@ class Attempt:
         return f"host {f.process_index} {f.reason}" if f is not None else self.note
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["recreated"] = [r.to_dict() for r in self.recreated]
+        return d
 
 
 @dataclass
@@ -135,6 +153,7 @@ class RunSummary:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["attempts"] = [a.to_dict() for a in self.attempts]
         d["schema"] = "tpulaunch.summary/v2"
         return d
 
