@@ -130,7 +130,9 @@ def main() -> None:
         optimizer.step()
         torch_xla.sync()
         print(f"host {me} step {step} loss {loss.item():.5f}", flush=True)
+        tpulaunch.heartbeat(step=step)  # `tpulaunch goodput` counts the steps (a no-op outside a launch)
         if ckpt.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()}):
+            tpulaunch.heartbeat(step=step, checkpoint=True)  # the save's time, and where a restart resumes
             xm.master_print(f"saved the checkpoint of step {step}")
 
 

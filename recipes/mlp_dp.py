@@ -44,6 +44,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         torch_xla.sync()
+        tpulaunch.heartbeat(step=step)  # `tpulaunch goodput` counts the steps (a no-op outside a launch)
         if step % 5 == 0 or step == args.steps - 1:
             print(f"host {ctx.process_index} step {step} loss {loss.item():.5f}", flush=True)
 

@@ -119,7 +119,7 @@ def analyze(events: list[dict], now: float | None = None) -> Goodput:
 
     b["provisioning"] = spans("capacity_requested", "capacity_ready")
     if not any(e["kind"] == "capacity_requested" for e in ev):
-        unseen["provisioning"] = "no capacity was requested by this run (slices made with `slice create` beforehand)"
+        unseen["provisioning"] = "this run requested no capacity (its slices were there before it, or emulated)"
     b["cluster_start"] = spans("cluster_start", "cluster_ready")
 
     attempts = sorted({e["attempt"] for e in ev if e["kind"] == "attempt_start"})
