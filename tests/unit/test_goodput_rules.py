@@ -83,6 +83,8 @@ def test_a_script_without_heartbeats_gets_the_coarse_buckets_and_says_what_it_co
     assert g.goodput is None and g.to_dict()["goodput"] is None
     assert g.line().startswith("goodput unknown: the script reported no step (`tpulaunch.heartbeat(step=N)`"
                                " counts them); 21.6 s in all (script ")
+    going = goodput.analyze([e for e in scenario(with_steps=False) if e["t"] < 9.0], now=9.0)
+    assert going.line().startswith("goodput so far unknown: no step reported yet (")
 
 
 def test_a_run_going_on_counts_up_to_now():

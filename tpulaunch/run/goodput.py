@@ -70,8 +70,9 @@ class Goodput:
         so_far = " so far" if self.ongoing else ""
         good = self.goodput
         if good is None:
-            return (f"goodput{so_far} unknown: the script reported no step (`tpulaunch.heartbeat(step=N)` counts"
-                    f" them); {self.wall_s:.1f} s in all" + (f" ({rest})" if rest else ""))
+            said = "no step reported yet" if self.ongoing else "the script reported no step"
+            return (f"goodput{so_far} unknown: {said} (`tpulaunch.heartbeat(step=N)` counts them);"
+                    f" {self.wall_s:.1f} s in all" + (f" ({rest})" if rest else ""))
         return (f"goodput{so_far} {100 * good:.0f}%: productive {self.buckets['productive']:.1f} s of"
                 f" {self.wall_s:.1f} s" + (f" ({rest})" if rest else ""))
 
