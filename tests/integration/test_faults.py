@@ -27,6 +27,7 @@ import pytest
 
 from support import SHARED, SHARED_HOSTS, cli_env, live_processes, processes_mentioning, run_cli, write_scripts
 from fakes.metadata_server import FakeMetadataServer
+from tpulaunch.procfs import Process
 
 HOSTS = SHARED_HOSTS
 
@@ -238,7 +239,7 @@ def test_host_agent_killed_is_a_lost_host(shared_cluster, workdir, tmp_path):
     launch.wait_for(r"\] ready \d attempt 0", HOSTS)
     run_id = _run_id(tmp_path)
     pid = _host_pid(run_id, 1)
-    agent = int(Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[1])  # its parent: the HostAgent actor
+    agent = Process(pid).ppid()  # its parent: the HostAgent actor
     # the run's file the host holds open: an agent killed cannot remove it, so it must be where
     # `cluster down` removes everything (the cluster's temp dir), not loose in /tmp
     held = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir() if f"tpulaunch-run-{run_id}-" in os.readlink(f)]
@@ -334,7 +335,7 @@ def test_preemption_gives_the_script_its_grace_and_relaunches(shared_cluster, wo
             md.values["instance/preempted"] = "FALSE"  # the VM is back
         else:
             pid = _host_pid(run_id, 1)
-            agent = int(Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[1])
+            agent = Process(pid).ppid()
             os.kill(agent, signal.SIGTERM)
         rc, s = launch.finish()
     assert rc == 0 and s["preemptions"] == 1 and s["restarts"] == 0, s["attempts"][0]["first_failure"]

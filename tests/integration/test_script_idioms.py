@@ -22,6 +22,7 @@ import pytest
 
 from support import REPO, SHARED, SHARED_HOSTS, last_summary, run_cli, write_scripts
 from test_faults import Launch, _host_pid, _run_id
+from tpulaunch.procfs import Process
 
 HOSTS = SHARED_HOSTS
 
@@ -296,7 +297,7 @@ def test_checkpoint_managers_preemption_sync_saves_on_every_host_and_the_run_res
                      "--max-preemptions", "1", "--", str(tmp_path / "ckpt")], workdir, shared_cluster["env"])
     launch.wait_for(r"\] READY \d attempt 0", HOSTS)
     run_id = _run_id(tmp_path / "runs")
-    agent = int(Path(f"/proc/{_host_pid(run_id, 1)}/stat").read_text().split(") ")[-1].split()[1])
+    agent = Process(_host_pid(run_id, 1)).ppid()  # its parent: the HostAgent actor
     os.kill(agent, signal.SIGTERM)
     rc, s = launch.finish()
     out = "".join(launch.lines + launch.err)
