@@ -96,6 +96,9 @@ SCRIPTS = {
         dist.init_process_group("gloo", init_method="xla://")
         # torch_xla's checkpoint manager, as its docs make it: its preemption sync starts XLA's
         # coordination service in host 0, which every other host's runtime polls until it ends
+        # hosts sharing a filesystem (NFS, Filestore, this emulated slice) race in the manager's own
+        # exists-then-mkdir, so the directory is made first, as the fsdpv2_decoder recipe does
+        os.makedirs(sys.argv[1] + "-managed", exist_ok=True)
         manager = xc.CheckpointManager(sys.argv[1] + "-managed", 10)
         device = torch_xla.device()
         n, hosts, me = xr.global_runtime_device_count(), xr.process_count(), xr.process_index()
@@ -144,7 +147,7 @@ SCRIPTS = {
     # torch_xla's preemption handling, as its docs show it: CheckpointManager saves at the step all
     # hosts agree on after a SIGTERM (XLA's preemption sync), and the script leaves after it
     "preempt_sync.py": """
-        import sys, time
+        import os, sys, time
         import torch, torch.distributed as dist
         import torch_xla, torch_xla.runtime as xr
         import torch_xla.distributed.xla_backend
@@ -152,6 +155,7 @@ SCRIPTS = {
 
         xr.use_spmd()
         dist.init_process_group("gloo", init_method="xla://")
+        os.makedirs(sys.argv[1], exist_ok=True)  # the hosts share this filesystem (see minibatch_ckpt.py)
         ckpt = xc.CheckpointManager(sys.argv[1], 10_000)  # no step is on the interval: only a preemption saves
         me = xr.process_index()
         w = torch.zeros(8).to(torch_xla.device())
