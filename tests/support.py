@@ -12,6 +12,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from tpulaunch import procfs
+
 
 REPO = Path(__file__).resolve().parents[1]
 FAKES = REPO / "tests" / "fakes"
@@ -81,20 +83,8 @@ def write_scripts(directory: Path, scripts: dict[str, str]) -> Path:
 
 def live_processes() -> dict[int, dict[str, bytes]]:
     """Every live (not zombie) process: its argv, environment and the paths of its open files."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            state = Path(f"/proc/{entry}/stat").read_text().split(") ")[-1][:1]
-            info = {"cmdline": Path(f"/proc/{entry}/cmdline").read_bytes(),
-                    "environ": Path(f"/proc/{entry}/environ").read_bytes(),
-                    "fds": b"".join(os.readlink(f"/proc/{entry}/fd/{fd}").encode() for fd in os.listdir(f"/proc/{entry}/fd"))}
-        except OSError:
-            continue
-        if state != "Z":
-            out[int(entry)] = info
-    return out
+    return {p.pid: {"cmdline": p.cmdline(), "environ": p.environ(), "fds": "".join(p.open_files()).encode()}
+            for p in procfs.processes(skip_self=False) if procfs.alive(p.pid)}
 
 
 def processes_mentioning(needles: list[str]) -> list[str]:

@@ -26,7 +26,7 @@ from fakes import FAKE_BIN, closed_port, cli_env, hermetic_path, run_cli
 from fakes.metadata_server import FakeMetadataServer
 from fakes.tpu_api_server import FakeTpuApi, end_vms, make_node, standard_nodes
 
-from tpulaunch import gcloud
+from tpulaunch import gcloud, procfs
 from tpulaunch.errors import ExitCode
 from tpulaunch.cluster import remote as ray_remote
 from tpulaunch.host import tpu_holders
@@ -73,43 +73,18 @@ def ssh_commands(log: Path) -> list[tuple[int, str]]:
 def procs_of(temp_dir: str) -> list[int]:
     """Live processes naming the cluster's temp dir in argv or holding a file open in it (or in a
     worker's copy of it: the fake gcloud gives each worker its own /tmp, `/tmp/tplt-x-vm<h>-<N>`)."""
-    out = []
-    for e in os.listdir("/proc"):
-        if not e.isdigit():
-            continue
-        try:
-            if Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
-                continue
-            hit = temp_dir.encode() in Path(f"/proc/{e}/cmdline").read_bytes()
-            if not hit:
-                for fd in os.listdir(f"/proc/{e}/fd"):
-                    try:
-                        if temp_dir in os.readlink(f"/proc/{e}/fd/{fd}"):
-                            hit = True
-                            break
-                    except OSError:
-                        pass
-        except OSError:
-            continue
-        if hit:
-            out.append(int(e))
-    return out
+    return [p.pid for p in procfs.processes(skip_self=False) if procfs.alive(p.pid)
+            and (temp_dir.encode() in p.cmdline() or any(temp_dir in f for f in p.open_files()))]
 
 
 def _cmdline(pid: int) -> str:
-    try:
-        fds = []
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                fds.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            except OSError:
-                pass
-        env = [e for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"TPULAUNCH" in e or b"TPU_W" in e]
-        return (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:60].strip()
-                + f" ppid={Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[1]} env={env}"
-                + f" files={[f for f in fds if f.startswith('/')][:6]}")
-    except OSError:
+    """A process left behind, in one line for a failure message."""
+    p = procfs.Process(pid)
+    if not procfs.alive(pid):
         return "(gone)"
+    env = [e for e in p.environ().split(b"\0") if b"TPULAUNCH" in e or b"TPU_W" in e]
+    return (p.cmdline().replace(b"\0", b" ").decode(errors="replace")[:60].strip()
+            + f" ppid={p.ppid()} env={env} files={[f for f in p.open_files() if f.startswith('/')][:6]}")
 
 
 @pytest.fixture(scope="module")
