@@ -16,7 +16,9 @@ from tpulaunch.plan.launch import build_plan
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 from tpulaunch.plan.topology import resolve
-from tpulaunch.run.recreate import Comeback, Recreation, RejoinFailed, in_run_order, must_recreate, qr_id, refusal
+from tpulaunch import providers
+from tpulaunch.providers.tpu_vm import must_recreate, qr_id
+from tpulaunch.run.recreate import Comeback, Recreation, RejoinFailed, in_run_order
 
 P = "projects/p/locations/us-central2-b"
 
@@ -94,10 +96,13 @@ def _cluster(**remote) -> ClusterInfo:
 
 
 def test_recreate_is_refused_without_a_head_off_the_slice_or_on_emulation():
-    assert "the head would be preempted with the slice" in refusal(_cluster(head="worker-0"), False)
-    assert "emulated" in refusal(None, True)
-    assert "--head local" in refusal(ClusterInfo(address="a:1", temp_dir=None, token_path=None, emulated=False), False)
-    assert refusal(_cluster(head="local"), False) is None
+    def refusal(cluster):
+        return providers.of(cluster).recreate_refusal()
+
+    assert "the head would be preempted with the slice" in refusal(_cluster(head="worker-0"))
+    assert "emulated" in refusal(None)
+    assert "--head local" in refusal(ClusterInfo(address="a:1", temp_dir=None, token_path=None, emulated=False))
+    assert refusal(_cluster(head="local")) is None
 
 
 def test_a_plan_follows_a_recreated_slice_to_its_new_addresses():
@@ -218,10 +223,10 @@ def test_a_join_again_keeps_the_new_vms_that_joined_and_starts_only_the_others(t
 
 def test_comeback_joins_again_as_a_join_again(monkeypatch):
     """`Comeback` retries a join of VMs it made with `again=True` (the rule above), its first join not."""
-    from tpulaunch.run import recreate
+    from tpulaunch.providers.tpu_vm import TpuVmProvider
 
     calls: list[bool] = []
-    monkeypatch.setattr(recreate, "rejoin", lambda *a, again=False, **k: calls.append(again) or [])
+    monkeypatch.setattr(TpuVmProvider, "_rejoin", lambda *a, again=False, **k: calls.append(again) or [])
     Comeback(_cluster(head="local"), ["s"], lambda m: None, budget=1).rejoin(10)
     assert calls == [True]
 

@@ -40,7 +40,7 @@ def test_a_planted_record_of_a_real_cluster_deletes_nothing(tmp_path):
 
 
 def test_only_tpulaunchs_own_token_files_are_ever_deleted(tmp_path, monkeypatch):
-    from tpulaunch.cli.cmd_cluster_remote import _our_token_file
+    from tpulaunch.cluster.tokens import is_ours as _our_token_file
 
     home = tmp_path / "home"
     home.mkdir(mode=0o700)

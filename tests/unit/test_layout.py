@@ -17,12 +17,14 @@ PKG = Path(__file__).resolve().parents[1] / "tpulaunch"
 # Which tpulaunch packages each stage may import (itself always; `tpulaunch.errors` everywhere).
 ALLOWED = {
     "plan": set(),
-    "discover": {"plan", "gcloud"},
-    "cluster": {"plan", "gcloud"},
+    "discover": {"plan", "gcloud", "kube"},
+    "cluster": {"plan", "gcloud", "kube"},
     "host": {"plan", "discover"},  # discover.metadata: preemption notices
     "provision": {"plan", "discover"},  # creates what discover reads, through its Cloud TPU API client
-    "run": {"plan", "discover", "cluster", "host", "provision"},
-    "cli": {"plan", "discover", "cluster", "host", "run", "gcloud", "provision"},
+    # where slices come from (emulated, TPU VMs, GKE): the seam run/ and cli/ ask, over the stages below it
+    "providers": {"plan", "discover", "cluster", "provision", "gcloud", "kube"},
+    "run": {"plan", "discover", "cluster", "host", "provision", "providers"},
+    "cli": {"plan", "discover", "cluster", "host", "run", "gcloud", "provision", "providers", "kube"},
     "ray_train": {"plan", "discover", "cluster", "host"},  # Ray Train's backend: run's twin for trainers
 }
 # Below every stage: typed errors (plan too), and for the stages that do I/O the one reader of

@@ -206,4 +206,4 @@ def test_recreate_on_an_emulated_slice_is_refused_before_anything_starts(workdir
     proc = invoke("run", "args.py", "--topology", "2x8", "--recreate", "--max-preemptions", "1", "--dry-run",
                   cwd=workdir)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--recreate makes real slices again through the Cloud TPU API" in " ".join(proc.stderr.split())
+    assert "--recreate makes real slices again (Cloud TPU, GKE)" in " ".join(proc.stderr.split())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -59,15 +60,75 @@ def up(
                                              " -r requirements.txt'); again on re-created VMs."),
     setup_script: Optional[Path] = typer.Option(None, "--setup-script", metavar="FILE",
                                                 help="--tpu: like --setup, a script file read here."),
+    gke: bool = typer.Option(False, "--gke", help="A KubeRay RayCluster on GKE's TPU node pools (with --topology,"
+                                                  " --accelerator, --image; or --join NAME)."),
+    image: Optional[str] = typer.Option(None, "--image", help="--gke: the image every pod runs (with this tpulaunch and"
+                                                              " its Ray)."),
+    spot: bool = typer.Option(False, "--spot", help="--gke: the slices on spot node pools."),
+    join_name: Optional[str] = typer.Option(None, "--join", metavar="NAME",
+                                            help="--gke: adopt the KubeRay cluster NAME (`cluster down` leaves it standing)."),
+    placement_policy: Optional[str] = typer.Option(None, "--placement-policy",
+                                                   help="--gke, tpu7x multi-host: the workload policy of the node pools."),
+    head_cpu: str = typer.Option("2", "--head-cpu", help="--gke: the head pod's CPU (a CPU node, never a TPU one)."),
+    head_memory: str = typer.Option("8Gi", "--head-memory", help="--gke: the head pod's memory."),
+    timeout: float = typer.Option(900.0, "--timeout", metavar="SECONDS",
+                                  help="--gke: wait this long for every host of every slice to be in Ray."),
+    kubeconfig: Optional[str] = opt.KUBECONFIG,
+    context: Optional[str] = opt.CONTEXT,
+    namespace: Optional[str] = opt.NAMESPACE,
+    dry_run: bool = typer.Option(False, "--dry-run", help="--gke: print the RayCluster it would apply; touch nothing."),
     json_out: bool = opt.JSON,
 ) -> None:
-    """Start a Ray cluster and leave it running: emulated on this machine, or on a real slice (--tpu).
+    """Start a Ray cluster and leave it running: emulated on this machine, on real slices (--tpu), or on GKE (--gke).
 
     Then `tpulaunch run SCRIPT --address auto` reuses it; `tpulaunch cluster down` stops it.
     With --tpu, hosts already in the cluster are left alone, so running it again is safe.
     """
     out = Output(json_mode=json_out)
     script = remote.setup_text(setup, setup_script)
+    if gke:
+        from tpulaunch.cli import gke_views
+        from tpulaunch.kube import KubeTarget
+        from tpulaunch.providers import gke as gke_provider
+
+        if tpu or script:
+            raise LaunchError("--gke with --tpu/--setup: a cluster is on GKE or on TPU VMs", "give one of them")
+        target = KubeTarget(kubeconfig, context, namespace)
+        _refuse_if_up(gke=True)
+        if join_name:
+            with out.status(f"joining RayCluster {join_name} ...") as st:
+                info = gke_provider.join(target, join_name, _say(out, st))
+        else:
+            if not topology or not accelerator:
+                raise LaunchError("--gke needs --topology and --accelerator", "e.g. --topology 2x2x2 --accelerator v5p")
+            if not math.isfinite(timeout) or timeout <= 0:
+                raise LaunchError(f"--timeout {timeout:g} is not a positive number of seconds", "e.g. --timeout 900")
+            req = gke_provider.UpRequest(target, "tpulaunch" if name == "emulated" else name, topology, accelerator,
+                                         num_slices or 1, chips_per_host, spot, image, placement_policy, head_cpu,
+                                         head_memory, timeout)
+            if dry_run:
+                doc = gke_provider.dry_run(req)
+                if json_out:
+                    out.json(doc)
+                else:
+                    import json as _json
+
+                    out.line(_json.dumps(doc, indent=2))
+                return
+            with out.status(f"bringing up RayCluster {req.name} on GKE ...") as st:
+                info = gke_provider.up(req, _say(out, st))
+        if json_out:
+            out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,
+                      "slices": [s.to_dict() for s in info.slices], "token_path": info.token_path,
+                      "gke": info.gke.to_dict()})
+        else:
+            what = ", ".join(f"{s.name} ({s.accelerator_type}, {len(s.workers)} hosts)" for s in info.slices)
+            out.line(f"cluster up: RayCluster {info.gke.name} in namespace {info.gke.namespace}: {what}")
+            for line in gke_views.reach_lines(info):
+                out.info(line)
+        return
+    if image or spot or join_name or placement_policy or dry_run:
+        raise LaunchError("--image, --spot, --join, --placement-policy and --dry-run go with --gke", "add --gke")
     if tpu:
         remote.up_remote(out, tpu, zone, project, port=port, python=remote_python, temp_dir=ray_temp_dir,
                          dashboard=dashboard, topology=topology, accelerator=accelerator, json_out=json_out,
@@ -75,6 +136,7 @@ def up(
         return
     if script:
         raise LaunchError("--setup and --setup-script are for TPU VMs (--tpu)", "emulated hosts share this machine")
+    _refuse_if_up(gke=False)
     if prewarm not in frameworks.names():
         raise LaunchError(f"--prewarm {prewarm} is not a framework", f"choose one of {', '.join(frameworks.names())}")
     rec = load_record()
@@ -116,24 +178,31 @@ def up(
         out.line(f"cluster up at {info.address} (token auth on; token in {info.token_path})")
 
 
-def _status_doc(info: ClusterInfo) -> dict:
-    if info.remote:
-        return remote.status_doc_remote(info)
-    from tpulaunch.discover import ray_labels
+def _say(out: Output, st):  # noqa: ANN001, ANN202 - a rich status (or None in a pipe) -> Callable[[str], None]
+    def say(msg: str) -> None:
+        if st is not None:
+            st.update(msg)
+        out.info(msg) if st is None or not out.interactive else None
 
-    connect(info)  # before Ray is imported: it reads its auth settings from the env
-    try:
-        found = ray_labels.read_slices()
-    finally:
-        disconnect()
-    return {
-        "schema": "tpulaunch.cluster-status/v1", "address": info.address, "emulated": info.emulated,
-        "slices": [
-            {"name": s.name, "pod_type": s.pod_type, "topology": s.topology,
-             "hosts": [{"worker_id": w, "node_ip": ip, "alive": alive, "busy": busy} for w, ip, alive, busy in s.workers]}
-            for s in found
-        ],
-    }
+    return say
+
+
+def _refuse_if_up(gke: bool) -> None:
+    """One cluster is recorded at a time: a second `cluster up` of another kind is refused."""
+    rec = load_record()
+    if rec is None:
+        return
+    if rec.gke is not None and not gke:
+        raise ClusterError(f"a cluster on GKE (RayCluster {rec.gke.name}) is recorded as up",
+                           "stop it first with `tpulaunch cluster down`")
+    if gke and (rec.remote or (rec.emulated and rec.running_here)):
+        raise ClusterError(f"a cluster is recorded as up at {rec.address}", "stop it first with `tpulaunch cluster down`")
+
+
+def _status_doc(info: ClusterInfo) -> dict:
+    from tpulaunch import providers
+
+    return providers.of(info).status()
 
 
 @cluster_app.command("status")
@@ -154,9 +223,12 @@ def status(
     for col in ("slice", "type", "topology", "worker", "alive", "busy", "node"):
         table.add_column(col)
     for s in doc["slices"]:
+        if s.get("maintenance_at"):
+            out.warn(f"slice {s['name']}: host maintenance scheduled at {s['maintenance_at']} (node pool {s.get('node_pool')})")
         for h in s["hosts"]:
             row = [s["name"], s["pod_type"] or "", s["topology"] or "", str(h["worker_id"]),
-                   "yes" if h["alive"] else "NO", "yes" if h["busy"] else "no", h["node_ip"] or ""]
+                   "yes" if h["alive"] else "NO", "?" if h["busy"] is None else "yes" if h["busy"] else "no",
+                   h["node_ip"] or ""]
             if out.rich:
                 table.add_row(*row)
             else:
@@ -215,15 +287,24 @@ def down(
     if rec is None:
         raise ClusterError("no cluster is recorded as up", "nothing to stop (`tpulaunch cluster up` starts one;"
                                                            " `cluster down --force` finds unrecorded ones)")
-    if rec.remote:
-        remote.down_remote(out, rec, json_out)
-        return
-    n = emulated.stop_cluster(rec, record=str(record_path()))
-    clear_record()
+    from tpulaunch import providers
+
+    provider = providers.of(rec)
+    names = {s.name: len(s.workers) for s in rec.slices} if rec.remote else {}
+    # a cluster on this machine stops in a moment: no progress line for it
+    quiet = Output(json_mode=json_out, quiet=True) if provider.kind == "emulated" else out
+    with quiet.status(f"stopping the cluster at {rec.address} ...") as st:
+        done = provider.down(remote.HostProgress(out, st, names))
     if json_out:
-        out.json({"schema": "tpulaunch.cluster-down/v1", "address": rec.address, "processes_stopped": n})
+        out.json({"schema": "tpulaunch.cluster-down/v1", "address": rec.address, **done})
+    elif "left_standing" in done:
+        out.line(f"cluster {rec.address}: forgotten here; RayCluster {done['left_standing']} was joined, not made, and"
+                 " is left standing")
+    elif "deleted" in done:
+        out.line(f"cluster {rec.address} deleted ({', '.join(done['deleted']) or 'nothing was left'})")
     else:
-        out.line(f"cluster {rec.address} stopped ({n} processes)")
+        hosts = f" on {sum(names.values())} hosts" if names else ""
+        out.line(f"cluster {rec.address} stopped ({done['processes_stopped']} processes{hosts})")
 
 
 def _down_force(out: Output, json_out: bool, every_home: bool) -> None:
@@ -236,9 +317,9 @@ def _down_force(out: Output, json_out: bool, every_home: bool) -> None:
     except TpulaunchError as e:
         out.warn(f"{e.message}: removing it")
         rec = None
-    if rec is not None and rec.remote:
-        raise ClusterError(f"the recorded cluster runs on TPU '{rec.remote.tpu}', not here",
-                           "`tpulaunch cluster down` (without --force) stops it over gcloud ssh")
+    if rec is not None and (rec.remote or rec.gke):
+        raise ClusterError(f"the recorded cluster runs at {rec.address}, not here",
+                           "`tpulaunch cluster down` (without --force) stops it")
     stopped = []
     for orphan in ownership.find_orphans(None if every_home else state_dir()):
         n = emulated.stop_owned(orphan.cluster_id, orphan.temp_dir)

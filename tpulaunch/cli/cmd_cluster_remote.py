@@ -16,6 +16,7 @@ from typing import Optional
 
 import typer
 
+from tpulaunch.cluster import tokens
 from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, save_record, state_dir
 from tpulaunch.host import tpu_holders
 from tpulaunch.cli import options as opt
@@ -60,6 +61,16 @@ class HostProgress:
     def for_slice(self, name: str):  # noqa: ANN201 - a remote.Progress
         """The progress callback of one slice's hosts."""
         return lambda worker, state: self.update(name, worker, state)
+
+    # a providers.base.Progress
+    def host(self, slice_name: str, worker: int, state: str) -> None:
+        self.update(slice_name, worker, state)
+
+    def note(self, text: str) -> None:
+        if self.st is not None:
+            self.st.update(text)
+        if self.st is None or not self.out.interactive:
+            self.out.info(text)
 
 
 def setup_text(command: str | None, script: Path | None) -> str | None:
@@ -129,63 +140,6 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
         where = "the head here (off the slice)" if local else "the head on worker 0"
         what = ", ".join(f"{s.name} ({s.accelerator_type}, {len(s.workers)} hosts)" for s in specs)
         out.line(f"cluster up at {info.address} on TPU {what}; {where}; token auth on; token in {info.token_path}")
-
-
-def status_doc_remote(info: ClusterInfo) -> dict:
-    from tpulaunch.cluster.remote import RemoteCluster
-    from tpulaunch.discover import ray_labels
-
-    cluster = RemoteCluster.of(info)
-    q = cluster.status_query()  # over gcloud ssh to worker 0: Ray's ports are internal to the slice
-    if not q["head"]:
-        raise ClusterError(f"the Ray head of TPU '{cluster.names[0]}' ({info.address}) does not answer",
-                           "start it again with `tpulaunch cluster up --tpu ...`")
-    nodes = q["nodes"]
-    found = ray_labels.slices_from_nodes(nodes, {n["NodeID"]: n.get("Available") or {} for n in nodes})
-    return {
-        "schema": "tpulaunch.cluster-status/v1", "address": info.address, "emulated": False,
-        "slices": [
-            {"name": s.name, "pod_type": s.pod_type, "topology": s.topology,
-             "hosts": [{"worker_id": w, "node_ip": ip, "alive": alive, "busy": busy} for w, ip, alive, busy in s.workers]}
-            for s in found
-        ],
-    }
-
-
-def _our_token_file(path: str) -> bool:
-    """A token file `cluster up --tpu` made (`remote.token_file`): in the state dir, named so, not a
-    link. A record naming any other file never gets it deleted."""
-    p = Path(path)
-    return (p.parent.resolve() == state_dir().resolve() and p.name.startswith("ray_token-") and not p.is_symlink())
-
-
-def down_remote(out: Output, rec: ClusterInfo, json_out: bool) -> None:
-    from tpulaunch.cluster.remote import RemoteCluster
-
-    cluster = RemoteCluster.of(rec)
-    n = sum(len(rs.spec.workers) for rs in cluster.slices)
-    names = ", ".join(cluster.names)
-    with out.status(f"stopping Ray on {n} host(s) of {names} ...") as st:
-        progress = HostProgress(out, st, {rs.spec.name: len(rs.spec.workers) for rs in cluster.slices})
-        results = cluster.down(progress.for_slice)
-    bad = {w: (r.get("error") or f"{len(r['left'])} process(es) left") for w, r in results.items()
-           if r.get("error") or r.get("left")}
-    if bad:
-        head = results.get("head")
-        here = (" (the head here is stopped)" if head is not None and not head.get("error") and not head.get("left")
-                else "")
-        raise ClusterError("could not stop Ray on " + "; ".join(f"worker {w}: {m}" for w, m in sorted(bad.items()))
-                           + here, "fix what that says (gcloud login, config) and run `tpulaunch cluster down` again:"
-                           " the record is kept for it")
-    clear_record()
-    if rec.token_path and _our_token_file(rec.token_path):
-        Path(rec.token_path).unlink(missing_ok=True)
-    stopped = sum(r.get("stopped", 0) for r in results.values())
-    if json_out:
-        out.json({"schema": "tpulaunch.cluster-down/v1", "address": rec.address, "processes_stopped": stopped,
-                  "hosts": dict(sorted(results.items()))})
-    else:
-        out.line(f"cluster {rec.address} on TPU {names} stopped ({stopped} processes on {n} hosts)")
 
 
 def register(cluster_app: typer.Typer) -> None:

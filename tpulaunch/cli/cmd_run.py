@@ -144,7 +144,7 @@ def print_plan(out: Output, prep: run.Prepared, show_env: bool = False) -> None:
         out.json(doc)
         return
 
-    kind = "EMULATED on this machine" if plan.emulated else "TPU"
+    kind = ("EMULATED on this machine" if plan.local else "CPU devices standing in for the chips") if plan.emulated else "TPU"
     out.line(f"run {plan.run_id}: {plan.job.script or ' '.join(plan.job.command)} on {len(plan.hosts)} host(s), {kind}")
     out.line(f"framework: {plan.framework} ({prep.framework_reason})")
     out.line(f"coordinator: {plan.coordinator_address}")
@@ -220,6 +220,10 @@ def run_cmd(
         None, "--python", metavar="PATH",
         help="The interpreter each host runs the script with: the environment of the training stack (torch_tpu needs"
              " torch >= 2.11, which cannot share a venv with torch_xla 2.9). It needs no tpulaunch of its own."),
+    cpu_devices: bool = typer.Option(False, "--cpu-devices",
+                                     help="On a real cluster (--address) whose TPU hosts have no chips (a CI KubeRay"
+                                          " cluster on CPU nodes): CPU devices stand in for them, as on an emulated"
+                                          " slice."),
     keep_cluster: bool = typer.Option(False, "--keep-cluster",
                                       help="Leave the emulated cluster this run starts up; the next runs use it (warm)."),
     idle_timeout: float = typer.Option(1800.0, "--idle-timeout", metavar="SECONDS",
@@ -229,6 +233,14 @@ def run_cmd(
                                      " return (follow with `tpulaunch logs/status/wait RUN`)."),
     attach_stop: bool = typer.Option(False, "--attach-stop",
                                      help="On a remote cluster: Ctrl-C stops the run (default: it detaches)."),
+    gke: bool = typer.Option(False, "--gke", help="Bring a KubeRay cluster up on GKE for this run (--topology,"
+                                                  " --accelerator, --image), run there, delete it after"
+                                                  " (--keep-cluster keeps it)."),
+    image: Optional[str] = typer.Option(None, "--image", help="--gke: the image every pod runs."),
+    spot: bool = typer.Option(False, "--spot", help="--gke: on spot node pools."),
+    kubeconfig: Optional[str] = opt.KUBECONFIG,
+    context: Optional[str] = opt.CONTEXT,
+    namespace: Optional[str] = opt.NAMESPACE,
     dry_run: bool = opt.DRY_RUN,
     json_out: bool = opt.JSON,
 ) -> None:
@@ -249,12 +261,63 @@ def run_cmd(
         distributed=not no_dist, log_dir=log_dir, workdir=workdir, schedule_timeout=schedule_timeout,
         max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout, max_restarts=max_restarts,
         max_preemptions=max_preemptions, preemption_wait=preemption_wait, preemption_grace=preemption_grace,
-        recreate=recreate,
+        recreate=recreate, cpu_devices=cpu_devices,
         keep_cluster=keep_cluster, idle_timeout=idle_timeout, compile_cache=compile_cache,
         no_compile_cache=no_compile_cache, python=python, min_slices=min_slices, grow_after=grow_after,
     )
+    if gke:
+        from tpulaunch.kube import KubeTarget
+
+        raise typer.Exit(_on_a_gke_cluster_of_its_own(
+            out, req, KubeTarget(kubeconfig, context, namespace), image=image, spot=spot, hosts=hosts, dry_run=dry_run,
+            detach=detach))
+    if image or spot:
+        raise LaunchError("--image and --spot go with --gke", "add --gke (a cluster of the run's own on GKE)")
     raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run, detach=detach, attach_stop=attach_stop,
                                  show_env=show_env))
+
+
+def _on_a_gke_cluster_of_its_own(out: Output, req: run.LaunchRequest, target, *, image: str | None,  # noqa: ANN001
+                                 spot: bool, hosts: str | None, dry_run: bool, detach: bool) -> int:
+    """`run --gke`: bring a RayCluster up for this run, run there (followed here), delete it after
+    (unless --keep-cluster). Ctrl-C stops the run and deletes the cluster."""
+    import dataclasses
+    import secrets
+
+    from tpulaunch import providers
+    from tpulaunch.cli.cmd_cluster_remote import HostProgress
+    from tpulaunch.cluster.record import load_record
+    from tpulaunch.providers import gke as gke_provider
+
+    sl = req.slices
+    if req.address is not None or detach or dry_run:
+        raise LaunchError("--gke brings a cluster up for the run: it goes without --address, --detach and --dry-run",
+                          "for a cluster that stays, `tpulaunch cluster up --gke ...` then `run --address auto`")
+    if not sl.topology or not sl.accelerator:
+        raise LaunchError("--gke needs --topology and --accelerator", "e.g. --topology 2x2x2 --accelerator v5p")
+    if load_record() is not None:
+        raise LaunchError("a cluster is recorded as up already", "run on it with --address auto, or `cluster down` it")
+    up = gke_provider.UpRequest(target, f"tpl-run-{secrets.token_hex(3)}", sl.topology, sl.accelerator,
+                                sl.num_slices or 1, sl.chips_per_host, spot, image)
+    gke_provider.request_of(up, target.namespace or "default", "check")  # the flags, before anything is made
+    with out.status(f"bringing up RayCluster {up.name} on GKE for this run ...") as st:
+        def say(msg: str) -> None:
+            if st is not None:
+                st.update(msg)
+            if st is None or not out.interactive:
+                out.info(msg)
+
+        info = gke_provider.up(up, say)
+    try:
+        plain = dataclasses.replace(req, address="auto", keep_cluster=False)
+        return run_request(out, plain, hosts=hosts, dry_run=False, attach_stop=True)
+    finally:
+        if req.keep_cluster:
+            out.info(f"kept RayCluster {up.name} (--keep-cluster): `tpulaunch cluster down` deletes it")
+        else:
+            with out.status(f"deleting RayCluster {up.name} ...") as st:
+                providers.of(info).down(HostProgress(out, st, {}))
+            out.info(f"deleted RayCluster {up.name}")
 
 
 def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_run: bool, detach: bool = False,
@@ -297,10 +360,16 @@ def _notes(out: Output, prep: run.Prepared) -> None:
     plan = prep.plan
     for note in (*prep.resolved.topology.notes, *prep.notes):
         out.info(f"note: {note}")
-    if plan.emulated:
+    if plan.emulated and plan.local:
         out.warn(
             f"EMULATED slice: {plan.mesh.num_slices} x {plan.topology.accelerator_type} ({plan.topology.topology}),"
             f" {len(plan.hosts)} host process(es) on this machine with CPU devices; this is not a TPU run"
+        )
+    elif plan.emulated:
+        out.warn(
+            f"CPU devices stand in for the chips (--cpu-devices): {plan.mesh.num_slices} x"
+            f" {plan.topology.accelerator_type} ({plan.topology.topology}) on the cluster's {len(plan.hosts)} hosts;"
+            " this is not a TPU run"
         )
     if not prep.request.command:
         out.info(f"framework: {plan.framework} ({prep.framework_reason})")

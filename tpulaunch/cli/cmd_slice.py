@@ -51,13 +51,26 @@ def describe_cmd(
     json_out: bool = opt.JSON,
     timeout: Optional[float] = TIMEOUT_OPT,
     force: bool = typer.Option(False, "--force", help="Exit 0 even if the slice is not READY/HEALTHY (warn instead of exit 4)."),
+    gke: bool = opt.GKE,
+    kubeconfig: Optional[str] = opt.KUBECONFIG,
+    context: Optional[str] = opt.CONTEXT,
+    namespace: Optional[str] = opt.NAMESPACE,
 ) -> None:
     """Show a slice: type, topology, state, health, each worker's IPs, and the mesh tpulaunch would build.
 
     Exits 4 when the slice is not READY, not HEALTHY, or reports symptoms (after printing it).
-    Examples: `tpulaunch slice describe my-v4 --zone us-central2-b`, `tpulaunch slice describe` on a TPU VM.
+    Examples: `tpulaunch slice describe my-v4 --zone us-central2-b`, `tpulaunch slice describe` on a TPU VM,
+    `tpulaunch slice describe POOL --gke` (a GKE TPU node pool).
     """
     out = Output(json_mode=json_out)
+    if gke:
+        from tpulaunch import kube
+        from tpulaunch.cli import gke_views
+
+        if not name:
+            raise TpulaunchError("--gke needs the node pool's NAME", "`tpulaunch slice list --gke` lists them")
+        gke_views.describe_pool(out, kube.KubeTarget(kubeconfig, context, namespace), name, json_out, force)
+        return
     this_worker: int | None = None
     if queued_resource:
         if name:
@@ -270,9 +283,26 @@ def list_cmd(
     project: Optional[str] = opt.PROJECT,
     json_out: bool = opt.JSON,
     timeout: Optional[float] = TIMEOUT_OPT,
+    gke: bool = opt.GKE,
+    kubeconfig: Optional[str] = opt.KUBECONFIG,
+    context: Optional[str] = opt.CONTEXT,
+    namespace: Optional[str] = opt.NAMESPACE,
 ) -> None:
-    """List the TPU nodes of a zone (`--zone -` for every zone): type, topology, state, health."""
+    """List the TPU nodes of a zone (`--zone -` for every zone): type, topology, state, health.
+
+    With --gke: every TPU node pool of the GKE cluster as a slice (generation, topology, hosts ready
+    of expected, chips a node, machine type, spot, zone, upcoming maintenance).
+    """
     out = Output(json_mode=json_out)
+    if gke:
+        from tpulaunch import kube
+        from tpulaunch.cli import gke_views
+
+        if zone or project:
+            raise TpulaunchError("--zone/--project are the Cloud TPU API's; --gke lists the kubeconfig's cluster",
+                                 "drop them, or pass --context")
+        gke_views.list_pools(out, kube.KubeTarget(kubeconfig, context, namespace), json_out)
+        return
     p, z, prov = discover.resolve_project_zone(project, zone)
     where = ", ".join(f"{k} {v} (from {prov[k]})" for k, v in (("project", p), ("zone", z)) if v)
     with out.status(f"listing TPU nodes: {where or 'no project/zone'} ..."):

@@ -73,3 +73,11 @@ STRAGGLER_RATIO = typer.Option(
 NO_PREFLIGHT = typer.Option(False, "--no-preflight",
                             help="Skip the checks of every host (versions, ports, chips, ids) before the scripts start.")
 DRY_RUN = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, env, mesh) and start nothing.")
+
+# -- GKE (the Kubernetes API, configured as kubectl is) -------------------------------------------
+GKE = typer.Option(False, "--gke", help="GKE: TPU node pools and KubeRay through the Kubernetes API.")
+KUBECONFIG = typer.Option(None, "--kubeconfig", metavar="FILE",
+                          help="With --gke: the kubeconfig (default: KUBECONFIG, then ~/.kube/config; in a pod, its"
+                               " service account).")
+CONTEXT = typer.Option(None, "--context", help="With --gke: the kubeconfig context (default: its current one).")
+NAMESPACE = typer.Option(None, "--namespace", help="With --gke: the namespace (default: the context's, else default).")

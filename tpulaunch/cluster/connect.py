@@ -53,8 +53,8 @@ def resolve_address(address: str | None) -> ClusterInfo | None:
         address = check_address(address.strip(), "--address")
     if address == "auto":
         if env_address:
-            return ClusterInfo(address=check_address(env_address, "RAY_ADDRESS"), temp_dir=None,
-                               token_path=os.environ.get("RAY_AUTH_TOKEN_PATH"), emulated=False)
+            return on_gke_head(ClusterInfo(address=check_address(env_address, "RAY_ADDRESS"), temp_dir=None,
+                                           token_path=os.environ.get("RAY_AUTH_TOKEN_PATH"), emulated=False))
         rec = load_record()
         if rec is not None and rec.running_here:
             return rec
@@ -68,8 +68,26 @@ def resolve_address(address: str | None) -> ClusterInfo | None:
     rec = load_record()
     if rec is not None and rec.address == address:
         return rec
-    return ClusterInfo(address=address, temp_dir=None, token_path=os.environ.get("RAY_AUTH_TOKEN_PATH"),
-                       emulated=False)
+    return on_gke_head(ClusterInfo(address=address, temp_dir=None, token_path=os.environ.get("RAY_AUTH_TOKEN_PATH"),
+                                   emulated=False))
+
+
+def on_gke_head(info: ClusterInfo) -> ClusterInfo:
+    """A detached run's supervisor on a GKE head: its cluster's name and namespace, from the job's
+    environment (`GKE_ENV`), so its provider reads the slices' pods through the in-cluster API."""
+    import json
+
+    from tpulaunch.cluster.record import GKE_ENV, GkeSpec
+
+    raw = os.environ.get(GKE_ENV, "").strip()
+    if not raw:
+        return info
+    try:
+        doc = json.loads(raw)
+        info.gke = GkeSpec(str(doc["name"]), str(doc["namespace"]), owned=False, group=str(doc.get("group", "tpu")))
+    except (ValueError, KeyError, TypeError):
+        raise TpulaunchError(f"{GKE_ENV} is not a cluster ({raw[:80]!r})", "unset it; `tpulaunch run --detach` sets it") from None
+    return info
 
 
 LOCAL_RAY_ROOT = Path("/tmp")  # where `cluster join` keeps a VM's Ray temp dir (tpl-*)

@@ -214,6 +214,14 @@ class JobApi:
             raise ClusterError(f"no log for run {submission_id} ({e.code}): {_first_line(e.text)}", "") from None
         return str(doc.get("logs") or "")
 
+    def nodes(self) -> list[dict]:
+        """Ray's nodes as its state API lists them (node_id, node_ip, state ALIVE/DEAD, labels, ...)."""
+        try:
+            doc = self._json("GET", "/api/v0/nodes?limit=10000&detail=true", dict)
+        except _HttpError as e:
+            raise ClusterError(f"the Ray head could not list its nodes ({e.code}): {_first_line(e.text)}", "try again") from None
+        return list(((doc.get("data") or {}).get("result") or {}).get("result") or [])
+
     def read_file(self, node_id: str, filename: str) -> str | None:
         """A file under that node's Ray log directory (None if it is not there)."""
         q = urllib.parse.urlencode({"node_id": node_id, "filename": filename, "lines": -1})

@@ -25,6 +25,8 @@ from tpulaunch.errors import StateError, TpulaunchError
 from tpulaunch.plan.slicespec import SliceSpec
 
 HOME_ENV = "TPULAUNCH_HOME"
+# A detached run's supervisor on a GKE head learns its cluster from this (name, namespace, group).
+GKE_ENV = "TPULAUNCH_GKE_CLUSTER"
 CLUSTER_SCHEMA = "tpulaunch.cluster/v2"
 V1 = "tpulaunch.cluster/v1"  # what a record without a schema field is (tpulaunch before the schema)
 _FORCE_HINT = "the cluster it described may still be running: `tpulaunch cluster down --force` finds and stops it"
@@ -119,6 +121,41 @@ class RemoteSpec:
         return spec
 
 
+@dataclass(frozen=True)
+class GkeSpec:
+    """A cluster on GKE: a KubeRay RayCluster that `cluster up --gke` made (`owned`), or one it
+    joined (`--join`, left standing by `cluster down`), and how this machine reaches the API."""
+
+    name: str  # the RayCluster
+    namespace: str
+    context: str | None = None  # the kubeconfig context (None: the current one, or in-cluster)
+    kubeconfig: str | None = None  # None: KUBECONFIG or ~/.kube/config, as kubectl reads them
+    owned: bool = True
+    group: str = "tpu"  # its TPU worker group (slices are `<group>-<replica>`)
+    objects: tuple[str, ...] = ()  # "Kind/name" of everything tpulaunch made for it, deleted by `cluster down`
+
+    @property
+    def head_service(self) -> str:
+        return f"{self.name}-head-svc"
+
+    def to_dict(self) -> dict:
+        doc = asdict(self)
+        doc["objects"] = list(self.objects)
+        return doc
+
+    @staticmethod
+    def from_dict(d: dict) -> "GkeSpec":
+        """From a record; KeyError, TypeError or ValueError on anything that is not one."""
+        objects = d.get("objects") or []
+        if not isinstance(objects, list) or not all(isinstance(o, str) and "/" in o for o in objects):
+            raise ValueError("objects")
+        owned = d.get("owned", True)
+        if not isinstance(owned, bool):
+            raise TypeError("owned")
+        return GkeSpec(_str(d["name"]), _str(d["namespace"]), _opt(d.get("context"), str), _opt(d.get("kubeconfig"), str),
+                       owned, _str(d.get("group", "tpu")), tuple(objects))
+
+
 def _str(v: object) -> str:
     if not isinstance(v, str):
         raise TypeError(f"{v!r} is not a string")
@@ -151,6 +188,7 @@ class ClusterInfo:
     log_monitor: bool = False  # its nodes forward worker output to drivers (`cluster up`: yes)
     cluster_id: str | None = None  # the id its temp dir's marker and its processes carry (`ownership`)
     dashboard: str | None = None  # host:port of its dashboard (the job API), if it runs one
+    gke: GkeSpec | None = None  # a cluster on GKE (KubeRay): where it is; None otherwise
 
     @property
     def running_here(self) -> bool:
@@ -169,6 +207,7 @@ class ClusterInfo:
         doc = {"schema": CLUSTER_SCHEMA, **{f.name: getattr(self, f.name) for f in fields(self)}}
         doc["slices"] = [s.to_dict() for s in self.slices]
         doc["remote"] = self.remote.to_dict() if self.remote else None
+        doc["gke"] = self.gke.to_dict() if self.gke else None
         return doc
 
     def ray_env(self) -> dict[str, str]:
@@ -187,7 +226,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "address": (str,), "temp_dir": (str, type(None)), "token_path": (str, type(None)), "emulated": (bool,),
     "slices": (list,), "created": (int, float), "remote": (dict, type(None)), "kept": (bool,),
     "idle_timeout": (int, float, type(None)), "log_monitor": (bool,), "cluster_id": (str, type(None)),
-    "dashboard": (str, type(None)),
+    "dashboard": (str, type(None)), "gke": (dict, type(None)),
 }
 
 
@@ -257,6 +296,11 @@ def load_record(path: Path | None = None) -> ClusterInfo | None:
         fields_["remote"] = RemoteSpec.from_dict(doc["remote"]) if doc.get("remote") is not None else None
     except (KeyError, TypeError, ValueError) as e:
         raise StateError(f"cluster record {p}: field 'remote' is not a cluster on TPUs ({type(e).__name__}: {e})"[:300],
+                         _FORCE_HINT) from None
+    try:
+        fields_["gke"] = GkeSpec.from_dict(doc["gke"]) if doc.get("gke") is not None else None
+    except (KeyError, TypeError, ValueError) as e:
+        raise StateError(f"cluster record {p}: field 'gke' is not a cluster on GKE ({type(e).__name__}: {e})"[:300],
                          _FORCE_HINT) from None
     if fields_["remote"] is not None and not fields_["slices"]:
         raise StateError(f"cluster record {p}: a cluster on TPUs with no slices", _FORCE_HINT)

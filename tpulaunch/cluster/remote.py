@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import shlex
 import socket
 import subprocess
@@ -43,7 +42,8 @@ from tpulaunch import gcloud
 from tpulaunch.gcloud import SSH_TIMEOUT
 from tpulaunch.cluster import worker_query, worker_start, worker_stop
 from tpulaunch.cluster.ownership import ID_ENV, MARKER
-from tpulaunch.cluster.record import ClusterInfo, RemoteSpec, check_token_file, state_dir
+from tpulaunch.cluster.record import ClusterInfo, RemoteSpec, state_dir
+from tpulaunch.cluster.tokens import cluster_id_of, ensure_token, token_file
 from tpulaunch.errors import ClusterError
 from tpulaunch.plan.slicespec import SliceSpec
 
@@ -88,12 +88,6 @@ def ray_start_words(
     return argv
 
 
-def cluster_id_of(token: str) -> str:
-    """The id a cluster's processes and temp dir carry: derived from its token (stable across
-    `cluster up` runs that find the same token, and revealing nothing of it)."""
-    return hashlib.sha256(token.encode()).hexdigest()[:16]
-
-
 def start_command(words: list[str], temp_dir: str, cluster_id: str) -> str:
     """Store the token sent on stdin owner-only, mark the temp dir, then `ray start` with token auth on
     and the cluster's id in the environment of every Ray process it starts."""
@@ -134,25 +128,6 @@ def _marked_json(text: str) -> dict | None:
 def _tail(proc: subprocess.CompletedProcess, n: int = 3) -> str:
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and not ln.startswith(JSON_MARK)]
     return " | ".join(lines[-n:])
-
-
-# -- the local copy of the token ------------------------------------------------------------------
-
-
-def token_file(key: str) -> Path:
-    return state_dir() / f"ray_token-{key}"
-
-
-def ensure_token(key: str) -> tuple[Path, str, bool]:
-    """(path, token, created_now): the cluster's token, stored owner-only (0600) under state_dir()."""
-    p = token_file(key)
-    if p.exists():
-        return p, check_token_file(str(p), "the cluster's token file"), False
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    tok = secrets.token_hex(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(tok)
-    return p, tok, True
 
 
 # -- a cluster on a slice, driven from anywhere gcloud works --------------------------------------

@@ -136,9 +136,15 @@ def list_nodes(
 
 
 def local_host(timeout: float | None = None) -> LocalSlice | None:
-    """This TPU VM's slice and worker id from the metadata server; None when clearly not a TPU VM."""
-    from tpulaunch.discover import metadata
+    """This host's slice and worker id: in a GKE TPU pod from the variables GKE and the KubeRay TPU
+    webhook set, on a TPU VM from the metadata server; None when clearly neither."""
+    import os
 
+    from tpulaunch.discover import gke, metadata
+
+    in_pod = gke.local_slice(os.environ)
+    if in_pod is not None:
+        return metadata.LocalSlice(in_pod[0], in_pod[1])
     if not metadata.looks_like_tpu_vm():
         return None
     return metadata.read_local(timeout)

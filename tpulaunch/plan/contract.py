@@ -80,6 +80,9 @@ class Job:
     compile_cache: str | None = None  # persistent XLA compilation cache dir on each host ("~" is the host's)
     python: str | None = None  # the interpreter the host process runs in (None: the agent's, Ray's)
     full_num_slices: int = 0  # the slices the run asked for (0: the mesh's); more than this attempt's after a shrink
+    # the hosts are this machine (an emulated cluster: shared files, ports chosen here). `emulated`
+    # with `local` False: CPU devices stand in for the chips on a real cluster's hosts (`--cpu-devices`)
+    local: bool = False
     emulation_env: Mapping[str, str] = field(default_factory=dict)  # the adapter's CPU emulation of a host
     user_env: Mapping[str, str] = field(default_factory=dict)  # --env, applied last
 

@@ -143,7 +143,13 @@ class LaunchPlan:
 
     @property
     def emulated(self) -> bool:
+        """CPU devices stand in for the chips (an emulated slice, or `--cpu-devices`)."""
         return self.job.emulated
+
+    @property
+    def local(self) -> bool:
+        """The hosts are this machine (an emulated cluster): they share its files and its ports."""
+        return self.job.local
 
     @property
     def coordinator_address(self) -> str:
@@ -197,6 +203,7 @@ class LaunchPlan:
             "command": list(j.command),
             "framework": j.framework,
             "emulated": j.emulated,
+            "local": j.local,
             "distributed": j.distributed,
             "coordinator_address": self.endpoints.coordinator_address,
             "group_address": self.endpoints.group_address,
@@ -243,6 +250,7 @@ def build_plan(
     command: tuple[str, ...] = (),
     compile_cache: str | None = None,
     python: str | None = None,
+    local: bool | None = None,
 ) -> LaunchPlan:
     """Plan a launch: one HostSlot per TPU host of every slice, meeting on slice 0's worker 0.
 
@@ -251,7 +259,7 @@ def build_plan(
     `plan.env`). `emulation_env` is what the framework adapter needs to emulate a host on CPU,
     applied when `emulated`; `emulation_port` is the port of the store emulated hosts use among
     themselves (per-host input is all-gathered over it); `exit_port` the one torch_xla hosts leave
-    over in order (`host/leave.py`).
+    over in order (`host/leave.py`). `local`: the hosts are this machine (default: `emulated`).
     """
     topo = mesh.topology
     if len(slices) != mesh.num_slices:
@@ -268,6 +276,7 @@ def build_plan(
         distributed=distributed, metadata_server=metadata_server, log_dir=log_dir, workdir=workdir,
         command=tuple(command), compile_cache=compile_cache, python=python,
         emulation_env=dict(emulation_env or {}) if emulated else {}, user_env=dict(user_env or {}),
+        local=emulated if local is None else local,
     )
     endpoints = Endpoints(
         host=slices[0].workers[0].ip, master_port=coordinator_port, group_port=group_port,

@@ -116,7 +116,9 @@ def job_api(cluster: ClusterInfo) -> JobApi:
         token = check_token_file(cluster.token_path, "the cluster's token file")
     elif os.environ.get("RAY_AUTH_TOKEN"):
         token = os.environ["RAY_AUTH_TOKEN"].strip()
-    url = cluster.dashboard or os.environ.get("RAY_API_SERVER_ADDRESS") or (
+    from tpulaunch import providers
+
+    url = providers.of(cluster).job_url() or cluster.dashboard or os.environ.get("RAY_API_SERVER_ADDRESS") or (
         cluster.address if cluster.address.startswith(("http://", "https://")) else None)
     if not url:
         url = _dashboard_from_gcs(cluster)
@@ -166,7 +168,10 @@ def submit(req: LaunchRequest, cluster: ClusterInfo, api: JobApi, *, runtime_env
 
     run_id = req.run_id or new_run_id()
     sup_req = dataclasses.replace(req, run_id=run_id, address=cluster.address, log_dir=RUNS_SUBDIR)
-    env_vars = {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S), "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
+    from tpulaunch import providers
+
+    env_vars = {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S), "PYTHONUNBUFFERED": "1", "NO_COLOR": "1",
+                **providers.of(cluster).supervisor_env()}
     if is_local(cluster):
         # The head is this machine: the supervisor reads the same cluster record.
         from tpulaunch.cluster.record import state_dir

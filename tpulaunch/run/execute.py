@@ -134,7 +134,7 @@ def _wait_ready(refs: list, timeout_s: float, interrupts: Interrupts) -> bool:
 def host_options(plan: LaunchPlan, limits: Limits) -> HostOptions:
     """What every agent of this run is told about how to run its host."""
     return HostOptions(
-        cwd=plan.job.workdir if plan.emulated else None,  # emulated hosts run in place
+        cwd=plan.job.workdir if plan.local else None,  # emulated hosts run in place
         check_tpu=not plan.emulated, kill_stale=limits.kill_stale, watch_preemption=limits.watch_preemption,
         metadata_host=plan.job.user_env.get("TPULAUNCH_METADATA_HOST") or None,
         preemption_grace_s=limits.preemption_grace_s, keep_children=limits.keep_children,
@@ -384,7 +384,7 @@ def supervise(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink,
             action = watch.on_head_probe(probe_head(), head)
             if action is not None:
                 sink.progress(f"{action.why}")
-                if plan.emulated:
+                if plan.local:
                     from tpulaunch.cluster.processes import stop_run_processes
 
                     stop_run_processes(plan.run_id, limits.grace_s)

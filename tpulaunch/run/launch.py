@@ -115,7 +115,7 @@ def launch(prep: Prepared, sink: Sink, connection: Connection | None = None, *, 
     """Get a cluster, run the attempts, clean up; returns (and writes) the run's summary."""
     plan, req = prep.plan, prep.request
     if req.recreate:  # refused before anything starts: no head to survive the slice, nothing to re-create
-        recreate.check(prep.cluster, plan.emulated, req.max_preemptions)
+        recreate.check(prep.cluster, plan.local, req.max_preemptions)
     paths = RunPaths.of(plan.job.log_dir)
     umask = os.umask(0o077)  # a run's files (host logs can hold secrets) are this user's alone
     try:
@@ -151,7 +151,7 @@ def _launch(prep: Prepared, sink: Sink, connection: Connection | None, paths: Ru
         try:
             cluster = prep.cluster
             if cluster is None:
-                if not plan.emulated:
+                if not plan.local:
                     raise LaunchError(
                         "this slice is real but no Ray cluster was given",
                         "bring Ray up on it with `tpulaunch cluster up --tpu NAME` and pass --address auto",
@@ -188,7 +188,7 @@ def _launch(prep: Prepared, sink: Sink, connection: Connection | None, paths: Ru
             if owned is not None and not (req.keep_cluster and interrupted is None and _keep(owned, req, sink)):
                 sink.progress("stopping the emulated Ray cluster")
                 emulated.stop_cluster(owned)
-            if plan.emulated and not req.keep_children:
+            if plan.local and not req.keep_children:
                 stop_run_processes(plan.run_id)  # a host Ray could no longer reach (its node lost)
     summary = _summary(plan, attempts, spent, note, interrupted, time.monotonic() - t0, phases)
     timeline.emit("run_end", outcome=str(summary.outcome), exit_code=summary.exit_code)
@@ -237,23 +237,22 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
             r.cancel()
 
 
-def _preempted_by_the_api(a: Attempt, plan: LaunchPlan, cluster: ClusterInfo) -> None:
-    """`--recreate`: a host whose process failed on a slice the Cloud TPU API says was preempted
-    was preempted (its VM's shutdown may end the script before its agent and raylet, so the loop
-    heard an exit, not a loss). The API is asked once per such slice."""
-    if a.outcome is not Outcome.FAILED or cluster.remote is None:
+def _preempted_by_the_provider(a: Attempt, plan: LaunchPlan, cluster: ClusterInfo) -> None:
+    """`--recreate`: a host whose process failed on a slice its provider says was preempted (the
+    Cloud TPU API, the Kubernetes API) was preempted: its VM's or node's shutdown may end the script
+    before its agent and raylet, so the loop heard an exit, not a loss. Asked once per such slice."""
+    if a.outcome is not Outcome.FAILED:
         return
-    specs = {s.name: s for s in cluster.slices}
-    verdicts: dict[str, str | None] = {}
+    known = {s.name for s in cluster.slices} or {h.slice_name for h in plan.hosts}
+    names = sorted({plan.hosts[h.process_index].slice_name for h in a.hosts
+                    if not (h.exit_code in (None, 0) or h.stopped_by_tpulaunch or h.lost or h.preempted)} & known)
+    if not names:
+        return
+    verdicts = recreate.preempted_slices(cluster, names)
     for h in a.hosts:
         if h.exit_code in (None, 0) or h.stopped_by_tpulaunch or h.lost or h.preempted:
             continue
         name = plan.hosts[h.process_index].slice_name
-        if name not in verdicts and name in specs:
-            try:
-                verdicts[name] = recreate.preempted(specs[name], cluster.remote.project, cluster.remote.zone)[1]
-            except TpulaunchError:
-                verdicts[name] = None
         why = verdicts.get(name)
         if why:
             h.preempted, h.cause, h.reason = f"slice {name}: {why}", Cause.PREEMPTED, f"preempted ({why}), then {h.reason}"
@@ -290,7 +289,7 @@ def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limi
         a = execute(current, sink, replace(limits, grow=_grow_when(regrowths)), sigs, gcs_address=gcs,
                     timeline=timeline)
         if req.recreate:
-            _preempted_by_the_api(a, current, cluster)
+            _preempted_by_the_provider(a, current, cluster)
         attempts.append(a)
         timeline.attempt_over(current.attempt)
         for h in a.hosts:  # each host's end: the last steps of a failed attempt are seen here only
@@ -358,6 +357,7 @@ def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limi
                     return spent, f"the slice was not whole again within --preemption-wait {req.preemption_wait:g} s"
                 for r in a.recreated:
                     r.steps["ray_whole_s"] = time.monotonic() - t1
+                current = _where_ray_has_them(current)
             finally:
                 sigs.raise_now = False
         else:
@@ -394,10 +394,25 @@ def _resize(action: policy.Action, a: Attempt, current: LaunchPlan, full: Launch
     regrowths.clear()
     if specs:  # re-created slices have new VMs and addresses
         full = full.on_slices(recreate.in_run_order(full.slices, specs))
+    full = _where_ray_has_them(full)
     sink.progress(f"growing back to all {n} slices ({', '.join(back)} returned)")
     timeline.emit("grow", attempt=current.attempt + 1, slices=[s.name for s in full.slices], back=back)
     full = full.for_attempt(current.attempt + 1, _fresh_endpoints(full), "grow")
     return full, full
+
+
+def _where_ray_has_them(plan: LaunchPlan) -> LaunchPlan:
+    """A plan of slices found through Ray's labels, at the addresses Ray has their hosts at now: a
+    slice that came back (a KubeRay replica made again, a VM rejoined) has new ones. Others as they are."""
+    if plan.local or not plan.slices or plan.slices[0].source != "ray":
+        return plan
+    from tpulaunch.discover import ray_labels
+
+    now = [s.to_spec() for s in ray_labels.read_slices()]
+    fresh = [s for s in now if s.name in {p.name for p in plan.slices}]
+    if len(fresh) != len(plan.slices) or any(len(s.workers) != plan.topology.num_hosts for s in fresh):
+        return plan  # not whole in Ray after all: the next attempt's own wait says so
+    return plan.on_slices(recreate.in_run_order(plan.slices, fresh))
 
 
 def attempts_brief(attempts: list[Attempt]) -> tuple[dict, ...]:
@@ -412,7 +427,7 @@ def attempts_brief(attempts: list[Attempt]) -> tuple[dict, ...]:
 
 def _fresh_endpoints(plan: LaunchPlan):  # noqa: ANN202 - Endpoints
     """A new process group per attempt; on one machine also new ports (the old ones may linger)."""
-    if not plan.emulated:
+    if not plan.local:
         return plan.endpoints
     return plan.endpoints.moved(master_port=free_port(), group_port=free_port(), jax_port=free_port(),
                                 emulation_port=free_port(), exit_port=free_port())

@@ -49,7 +49,7 @@ def ports(plan: LaunchPlan) -> list[tuple[int, str]]:
         out.append((e.emulation_port, "the emulated hosts' input store"))
     if e.exit_port is not None:
         out.append((e.exit_port, "the hosts' ordered exit"))
-    if plan.mesh.num_slices > 1 and not plan.emulated:
+    if plan.mesh.num_slices > 1 and not plan.local:
         out.append((e.megascale_port, "the MEGASCALE coordinator"))
     return out
 

@@ -92,6 +92,7 @@ class LaunchRequest:
     python: str | None = None  # the interpreter each host runs the script with (its own environment)
     min_slices: int | None = None  # elastic: go on with at least this many slices after one is lost
     grow_after: float | None = None  # elastic: grow back this long after the lost slices are back (None: at a checkpoint)
+    cpu_devices: bool = False  # on a real cluster, CPU devices stand in for the chips (a CI cluster with no TPU)
     keep_cluster: bool = False  # leave an emulated cluster this run starts up for the next runs
     idle_timeout: float = 1800.0  # ... and stop it after this long unused
 
@@ -214,16 +215,20 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
     script = req.script if req.command else check_script(req)
     cluster = target.cluster
     resolved = discover.resolve(req.slices, seen)
-    emulated = resolved.emulated or (cluster is not None and cluster.emulated)
-    if emulated and cluster is None:
+    local = (resolved.emulated and cluster is None) or (cluster is not None and cluster.emulated)
+    emulated = local or resolved.emulated or req.cpu_devices
+    if req.cpu_devices and cluster is None:
+        raise LaunchError("--cpu-devices is for a real cluster's hosts (--address); with none, the slice is emulated"
+                          " on CPU devices anyway", "drop --cpu-devices, or pass --address")
+    if local and cluster is None:
         from tpulaunch.cluster.emulated import check_capacity
 
         check_capacity(resolved.topology.num_hosts * resolved.num_slices)  # this run starts the cluster
-    if emulated:
+    if local:
         runtime_env = None  # emulated hosts share this filesystem: the script runs in place
     fw, reason = _framework(req, workdir)
     if req.python is not None:
-        check_python(req.python, emulated)
+        check_python(req.python, local)
     elif not req.command:  # with --python the framework is the hosts' interpreter's to have
         frameworks.require_installed(fw)
     mesh = plan_mesh(resolved.topology, req.mesh, req.slices.dcn, resolved.num_slices, req.placement)
@@ -231,16 +236,16 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
     if fw == "torch_tpu":
         torch_tpu.check_generation(resolved.topology)
     # MASTER_PORT on a slice: torch_xla's and JAX's usual 8476; torch_tpu's own 29500
-    port = req.coordinator_port or (free_port() if emulated else (torch_tpu.MASTER_PORT if fw == "torch_tpu" else 8476))
+    port = req.coordinator_port or (free_port() if local else (torch_tpu.MASTER_PORT if fw == "torch_tpu" else 8476))
     plan = build_plan(
         slices=list(resolved.slices), mesh=mesh, script=script, args=req.args, framework=fw,
         user_env=parse_env(list(req.env)), run_id=run_id, coordinator_port=port,
-        group_port=free_port() if emulated else port + 2,  # tpulaunch's own gloo group, apart from MASTER_PORT
-        jax_coordinator_port=(free_port() if emulated else port + 1) if fw == "jax" else None,
+        group_port=free_port() if local else port + 2,  # tpulaunch's own gloo group, apart from MASTER_PORT
+        jax_coordinator_port=(free_port() if local else port + 1) if fw == "jax" else None,
         emulated=emulated, emulation_env=frameworks.get(fw).emulation_env(resolved.topology, resolved.num_slices),
-        emulation_port=free_port() if emulated else None,
+        emulation_port=(free_port() if local else port + 3) if emulated else None, local=local,
         # torch_xla's hosts leave in order (host/leave.py); port + 1 is JAX's coordinator's under JAX
-        exit_port=(free_port() if emulated else port + 1) if fw == "torch_xla" and not req.command else None,
+        exit_port=(free_port() if local else port + 1) if fw == "torch_xla" and not req.command else None,
         # every real host is a TPU VM whose metadata server knows its slice (torus wraparound and
         # more than the plan holds): a queued resource's nodes too, however they were found
         metadata_server=not emulated, distributed=req.distributed and not req.command,

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 from tpulaunch.errors import ExitCode
+from tpulaunch.providers.base import Recreation
 
 
 class Outcome(str, Enum):
@@ -85,22 +86,6 @@ class HostResult:
     def failed(self) -> bool:
         """Counts as a failure of the attempt (not: exited 0, or stopped by tpulaunch after another failed)."""
         return self.lost or bool(self.preempted) or (self.exit_code not in (None, 0) and not self.stopped_by_tpulaunch)
-
-
-@dataclass
-class Recreation:
-    """One slice made again after an attempt (`--recreate`): what the API said, and how long each
-    step took (seconds, rounded to 0.01 where the summary is written)."""
-
-    slice: str
-    queued_resource: str
-    why: str  # node PREEMPTED, queued resource SUSPENDED, node gone ...
-    steps: dict[str, float] = field(default_factory=dict)  # delete_s, create_s, provision_s, setup_join_s, ray_whole_s
-    join_failures: list[str] = field(default_factory=list)  # each set-up or join of its new VMs that failed
-
-    def to_dict(self) -> dict:
-        return {"slice": self.slice, "queued_resource": self.queued_resource, "why": self.why,
-                "steps": {k: round(v, 2) for k, v in self.steps.items()}, "join_failures": list(self.join_failures)}
 
 
 @dataclass

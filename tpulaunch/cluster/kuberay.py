@@ -1,0 +1,204 @@
+"""A RayCluster on GKE through the Kubernetes API: create what `kuberay_manifest` describes, read its
+pods as slices, wait for them, say what happened to a lost one, and delete what tpulaunch made.
+
+KubeRay makes each replica of the TPU worker group one slice: `numOfHosts` pods labelled
+`ray.io/worker-group-replica-index` (the slice's place: the webhook's `TPU_NAME` is
+`<group>-<index>`) and `ray.io/replica-host-index` (the host's worker id). A pod's address is its
+IP; the slice's hosts are its pods in worker-id order. The rules over pod JSON are pure
+(`slices_from_pods`, `slice_loss`, `slice_progress`); the rest are a few API calls each.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from tpulaunch.cluster import kuberay_manifest as manifest
+from tpulaunch.errors import ClusterError
+from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
+
+REPLICA = "ray.io/worker-group-replica-index"
+REPLICA_NAME = "ray.io/worker-group-replica-name"
+HOST = "ray.io/replica-host-index"
+NODE_TYPE = "ray.io/node-type"
+# Why a pod ended, in the kubelet's and the eviction API's words: its node went (preempted, repaired).
+NODE_GONE_REASONS = ("Terminated", "NodeShutdown", "Shutdown", "Preempting", "NodeLost", "Evicted", "DeletionByPodGC")
+
+
+def selector(name: str, *, head: bool | None = None) -> str:
+    s = f"ray.io/cluster={name}"
+    return s + (f",{NODE_TYPE}={'head' if head else 'worker'}" if head is not None else "")
+
+
+def _ready(pod: dict) -> bool:
+    st = pod.get("status") or {}
+    return st.get("phase") == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+
+
+def _deleting(pod: dict) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+@dataclass(frozen=True)
+class SliceProgress:
+    """One slice's pods: how many exist, run, are ready (what `cluster up` shows per slice)."""
+
+    name: str
+    hosts: int
+    pods: int
+    running: int
+    ready: int
+
+    @property
+    def whole(self) -> bool:
+        return self.ready == self.hosts == self.pods
+
+    def line(self) -> str:
+        if self.whole:
+            return f"{self.name}: {self.hosts}/{self.hosts} ready"
+        waiting = self.pods - self.running
+        return f"{self.name}: {self.ready}/{self.hosts} ready" + (f", {waiting} pending" if waiting else "")
+
+
+def slice_progress(pods: list[dict], group: str, num_slices: int, hosts: int) -> list[SliceProgress]:
+    """Per slice (replica 0..num_slices-1): its pods, running and ready. Pure."""
+    out = []
+    for r in range(num_slices):
+        mine = [p for p in pods if _in(p, group, r) and not _deleting(p)]
+        out.append(SliceProgress(f"{group}-{r}", hosts, len(mine),
+                                 sum(1 for p in mine if (p.get("status") or {}).get("phase") == "Running"),
+                                 sum(1 for p in mine if _ready(p))))
+    return out
+
+
+def _in(pod: dict, group: str, replica: int) -> bool:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return labels.get("ray.io/group") == group and labels.get(REPLICA) == str(replica)
+
+
+def slices_from_pods(pods: list[dict], group: str, accelerator_type: str, topology: str, num_slices: int) -> list[SliceSpec]:
+    """The cluster's slices as its pods place them (pods' IPs in worker-id order; a slice whose pods
+    are not all running lists those that are). Pure."""
+    out = []
+    for r in range(num_slices):
+        mine = sorted((p for p in pods if _in(p, group, r) and not _deleting(p)
+                       and (p.get("status") or {}).get("podIP")),
+                      key=lambda p: int(p["metadata"]["labels"].get(HOST, "0")))
+        workers = tuple(WorkerEndpoint(int(p["metadata"]["labels"].get(HOST, "0")), p["status"]["podIP"],
+                                       hostname=(p.get("spec") or {}).get("hostname") or p["metadata"]["name"])
+                        for p in mine)
+        out.append(SliceSpec(name=f"{group}-{r}", accelerator_type=accelerator_type, topology=topology, source="gke",
+                             state="READY", workers=workers, slice_index=r,
+                             provenance={"replica": mine[0]["metadata"]["labels"].get(REPLICA_NAME, "") if mine else ""}))
+    return out
+
+
+def slice_loss(pods: list[dict], group: str, replica: int, hosts: int) -> str | None:
+    """Why the slice's hosts went with their nodes (a spot preemption, a repair), from its pods; None
+    when its pods say nothing of the kind (a host whose script failed while its pod runs). Pure.
+
+    A pod ended by the kubelet's node shutdown is `Failed` with a `DisruptionTarget` condition (or
+    reason Terminated/NodeShutdown); KubeRay then deletes the whole replica and makes it again, so a
+    replica whose pods are new and not all running again was lost the same way."""
+    mine = [p for p in pods if _in(p, group, replica)]
+    for p in mine:
+        st = p.get("status") or {}
+        disrupted = next((c for c in st.get("conditions") or [] if c.get("type") == "DisruptionTarget"
+                          and c.get("status") == "True"), None)
+        if st.get("phase") == "Failed" and (disrupted or st.get("reason") in NODE_GONE_REASONS):
+            why = (disrupted or {}).get("reason") or st.get("reason")
+            node = (p.get("spec") or {}).get("nodeName") or "?"
+            return f"pod {p['metadata']['name']} on node {node} ended: {why} ({st.get('message') or 'node shut down'})"
+    live = [p for p in mine if not _deleting(p)]
+    if len(live) < hosts or not all(_ready(p) for p in live):
+        return (f"KubeRay is making its replica again ({sum(1 for p in live if _ready(p))} of {hosts} pods ready):"
+                " its pods went with their nodes")
+    return None
+
+
+def head_pod(kube, name: str) -> dict | None:  # noqa: ANN001 - tpulaunch.kube.Kube
+    pods = [p for p in kube.list("Pod", selector(name, head=True)) if not _deleting(p)]
+    return pods[0] if pods else None
+
+
+def create_all(kube, objects: list[dict]) -> list[str]:  # noqa: ANN001
+    """Create `objects` in order; on a failure delete those created first (nothing left behind) and
+    raise. Returns their "Kind/name"."""
+    made: list[str] = []
+    try:
+        for obj in objects:
+            kube.create(obj)
+            made.append(f"{obj['kind']}/{obj['metadata']['name']}")
+    except BaseException:
+        delete_all(kube, made)
+        raise
+    return made
+
+
+def delete_all(kube, objects: list[str] | tuple[str, ...]) -> list[str]:  # noqa: ANN001
+    """Delete these objects, the RayCluster first (its pods go with it); those that were there."""
+    gone = []
+    order = sorted(objects, key=lambda o: o.split("/")[0] != "RayCluster")
+    for o in order:
+        kind, _, name = o.partition("/")
+        if kube.delete(kind, name):
+            gone.append(o)
+    return gone
+
+
+def wait_pods(kube, name: str, group: str, num_slices: int, hosts: int, timeout_s: float,  # noqa: ANN001
+              say: Callable[[list[SliceProgress], bool], None], stopped: Callable[[], bool] = lambda: False,
+              poll_s: float = 1.0) -> list[dict]:
+    """Until the head and every host of every slice run and are ready: the pods. ClusterError when
+    `timeout_s` passes (saying which slices wait, and why their pods do)."""
+    end = time.monotonic() + timeout_s
+    last = None
+    while True:
+        pods = kube.list("Pod", selector(name))
+        head = [p for p in pods if (p["metadata"].get("labels") or {}).get(NODE_TYPE) == "head" and not _deleting(p)]
+        progress = slice_progress(pods, group, num_slices, hosts)
+        head_ready = bool(head) and _ready(head[0])
+        state = (head_ready, [(s.pods, s.running, s.ready) for s in progress])
+        if state != last:
+            say(progress, head_ready)
+            last = state
+        if head_ready and all(s.whole for s in progress):
+            return pods
+        if stopped():
+            raise ClusterError("stopped while waiting for the cluster's pods", "")
+        if time.monotonic() >= end:
+            waiting = [s.line() for s in progress if not s.whole]
+            why = _pending_reason(pods)
+            raise ClusterError(f"the cluster's pods were not all ready within {timeout_s:g} s: "
+                               + "; ".join((["head: not ready"] if not head_ready else []) + waiting)
+                               + (f" ({why})" if why else ""),
+                               "check the node pools (`tpulaunch slice list --gke`) and the pods' events"
+                               " (`kubectl describe pod`); raise --timeout for capacity that comes later")
+        time.sleep(poll_s)
+
+
+def _pending_reason(pods: list[dict]) -> str:
+    for p in pods:
+        st = p.get("status") or {}
+        for c in st.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("message"):
+                return f"{p['metadata']['name']}: {c['message'][:160]}"
+    return ""
+
+
+def check_name(name: str) -> None:
+    """A RayCluster name KubeRay takes: a DNS-1035 label of at most 53 characters (its pods' names
+    add to it). One line, exit 2, otherwise."""
+    import re
+
+    from tpulaunch.errors import TpulaunchError
+
+    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,51}[a-z0-9])?", name):
+        raise TpulaunchError(f"--name {name[:60]!r} is not a RayCluster name",
+                             "use lower-case letters, digits and dashes, a letter first, at most 53")
+
+
+__all__ = ["SliceProgress", "check_name", "create_all", "delete_all", "head_pod", "manifest", "selector", "slice_loss",
+           "slice_progress", "slices_from_pods", "wait_pods"]

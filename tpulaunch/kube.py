@@ -1,0 +1,403 @@
+"""The Kubernetes API: the one module that talks to it (one module per external system).
+
+Through the official client (`kubernetes`, the one kubectl's own Python counterpart), configured as
+kubectl is: `--kubeconfig`, else `KUBECONFIG`, else `~/.kube/config`; `--context`; `--namespace`,
+else the context's, else `default`; and in a pod with no kubeconfig, the pod's service account
+(in-cluster config). Objects come back as plain dicts (the API's JSON), never the client's models:
+what the rest of tpulaunch reads is data, and the fake API in the tests serves exactly that JSON.
+
+Every call is bounded (`TPULAUNCH_KUBE_TIMEOUT`, default 15 s), and every failure is one line:
+no kubeconfig or no such context, the API unreachable, credentials refused (401), forbidden by RBAC
+(403, naming the verb and resource to ask for), a resource the API does not serve (KubeRay's CRD
+not installed). `Forward` is a local port whose connections reach a pod's port through the API's
+port-forward (WebSocket, as the client speaks it): no kubectl on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from tpulaunch import settings
+from tpulaunch.errors import ClusterError, DiscoveryError
+
+TIMEOUT_ENV = "TPULAUNCH_KUBE_TIMEOUT"
+DEFAULT_TIMEOUT = 15.0
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # where a pod's service account is mounted
+RAY_GROUP, RAY_VERSION, RAYCLUSTERS = "ray.io", "v1", "rayclusters"
+
+
+class KubeError(DiscoveryError):
+    """The Kubernetes API could not be used (no config, unreachable, refused)."""
+
+
+class KubeForbidden(KubeError):
+    """The API said 403: the identity lacks an RBAC permission."""
+
+
+class KubeNotServed(ClusterError):
+    """The API does not serve a resource tpulaunch needs (KubeRay's CRD is not installed)."""
+
+
+class KubeConflict(ClusterError):
+    """The object exists already (409)."""
+
+
+@dataclass(frozen=True)
+class KubeTarget:
+    """Which cluster and namespace: what `--kubeconfig`, `--context`, `--namespace` say (None: kubectl's default)."""
+
+    kubeconfig: str | None = None
+    context: str | None = None
+    namespace: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"kubeconfig": self.kubeconfig, "context": self.context, "namespace": self.namespace}
+
+
+def timeout_s() -> float:
+    return settings.seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+
+
+def in_pod() -> bool:
+    """Running in a Kubernetes pod with a service account (what in-cluster config needs)."""
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and (SA_DIR / "token").exists()
+
+
+def _kubeconfig_file(target: KubeTarget) -> str | None:
+    """The kubeconfig kubectl would read, or None (then only in-cluster config can work)."""
+    if target.kubeconfig:
+        if not Path(target.kubeconfig).is_file():
+            raise KubeError(f"--kubeconfig {target.kubeconfig[:200]} is not a file", "give the path of a kubeconfig")
+        return target.kubeconfig
+    env = os.environ.get("KUBECONFIG", "")
+    for p in (x for x in env.split(os.pathsep) if x):
+        if Path(p).is_file():
+            return p
+    home = Path.home() / ".kube" / "config"
+    return str(home) if home.is_file() else None
+
+
+def connect(target: KubeTarget) -> "Kube":
+    """The API the target names, configured as kubectl would be; one line (KubeError) if it cannot be."""
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    path = _kubeconfig_file(target)
+    try:
+        if path is None:
+            if target.context:
+                raise KubeError(f"--context {target.context} given but there is no kubeconfig (KUBECONFIG,"
+                                " ~/.kube/config)", "point --kubeconfig at the file that has that context")
+            if not in_pod():
+                raise KubeError("no kubeconfig (--kubeconfig, KUBECONFIG, ~/.kube/config) and not in a pod",
+                                "run `gcloud container clusters get-credentials CLUSTER --location L` first,"
+                                " or pass --kubeconfig")
+            cfg = client.Configuration()
+            config.load_incluster_config(client_configuration=cfg)
+            namespace = target.namespace or _sa_namespace()
+            where = f"the in-cluster API ({cfg.host})"
+        else:
+            cfg = client.Configuration()
+            config.load_kube_config(config_file=path, context=target.context, client_configuration=cfg,
+                                    persist_config=False)
+            _contexts, active = config.list_kube_config_contexts(config_file=path)
+            if target.context:
+                active = next((c for c in _contexts if c["name"] == target.context), active)
+            namespace = target.namespace or (active or {}).get("context", {}).get("namespace") or "default"
+            where = f"the Kubernetes API at {cfg.host} (context {(active or {}).get('name', '?')})"
+    except ConfigException as e:
+        raise KubeError(f"the kubeconfig cannot be used: {str(e).splitlines()[0][:200]}",
+                        "check --kubeconfig / --context (`kubectl config get-contexts` lists them)") from None
+    cfg.retries = False  # one attempt per call, bounded by our own timeout: no silent minutes of retries
+    check_namespace(namespace)
+    return Kube(client.ApiClient(cfg), namespace, where)
+
+
+def _sa_namespace() -> str:
+    try:
+        return (SA_DIR / "namespace").read_text().strip() or "default"
+    except OSError:
+        return "default"
+
+
+def check_namespace(ns: str) -> None:
+    """A namespace name as Kubernetes takes one (RFC 1123 label): one line, exit 2, otherwise."""
+    import re
+
+    from tpulaunch.errors import TpulaunchError
+
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", ns):
+        raise TpulaunchError(f"--namespace {ns[:70]!r} is not a namespace name",
+                             "use lower-case letters, digits and dashes (at most 63)")
+
+
+# Which RBAC words a call needs, for the 403 line: (verb, resource).
+Kind = tuple[str, str, str, bool]  # (api path prefix, plural, kind, namespaced)
+KINDS: dict[str, Kind] = {
+    "Node": ("/api/v1", "nodes", "Node", False),
+    "Pod": ("/api/v1", "pods", "Pod", True),
+    "Service": ("/api/v1", "services", "Service", True),
+    "Secret": ("/api/v1", "secrets", "Secret", True),
+    "ServiceAccount": ("/api/v1", "serviceaccounts", "ServiceAccount", True),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", "Role", True),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", "RoleBinding", True),
+    "RayCluster": (f"/apis/{RAY_GROUP}/{RAY_VERSION}", RAYCLUSTERS, "RayCluster", True),
+}
+
+
+class Kube:
+    """One Kubernetes API and namespace. Every method returns the API's JSON as dicts."""
+
+    def __init__(self, api_client: Any, namespace: str, where: str) -> None:
+        self.api = api_client
+        self.namespace = namespace
+        self.where = where
+
+    # -- the one request path ---------------------------------------------------------------------
+
+    def _send(self, method: str, path: str, query: dict | None, body: Any, content_type: str,
+              timeout: float | None, stream: bool = False) -> Any:
+        """The HTTP exchange (the client's serializer, auth and TLS); the client's response."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        try:
+            m, url, hdrs, data, _post = self.api.param_serialize(
+                method, path, query_params=list((query or {}).items()), header_params=headers, body=body,
+                auth_settings=["BearerToken"])
+            resp = self.api.call_api(m, url, header_params=hdrs, body=data, _request_timeout=timeout or timeout_s())
+            if not stream or resp.status >= 300:
+                resp.read()
+            return resp
+        except KubeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - urllib3's connection errors, timeouts, TLS
+            raise KubeError(f"{self.where} cannot be reached: {_reason(e)}",
+                            "check the cluster's endpoint and your network (`kubectl cluster-info`)") from None
+
+    def request(self, method: str, path: str, *, query: dict | None = None, body: Any = None,
+                content_type: str = "application/json", what: str = "", timeout: float | None = None) -> Any:
+        """One call: the decoded JSON (None for 404 on GET/DELETE), or one line (KubeError and kin)."""
+        import json
+
+        resp = self._send(method, path, query, body, content_type, timeout)
+        if resp.status == 404 and method in ("GET", "DELETE"):
+            return None
+        if resp.status >= 300:
+            raise self._error(resp.status, resp.data, method, what or path)
+        return json.loads(resp.data) if resp.data else None
+
+    def _error(self, status: int, body: bytes | None, method: str, what: str) -> Exception:
+        import json
+
+        try:
+            message = json.loads(body or b"{}").get("message", "")
+        except (ValueError, AttributeError):
+            message = ""
+        message = str(message).splitlines()[0][:240] if message else ""
+        if status == 401:
+            return KubeError(f"{self.where} refused the credentials (401 Unauthorized)",
+                             "refresh them: `gcloud container clusters get-credentials CLUSTER --location L`")
+        if status == 403:
+            verb = {"GET": "get", "POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}[method]
+            return KubeForbidden(f"forbidden by RBAC: {message or what}",
+                                 f"ask your cluster admin for '{verb}' on {what} in namespace {self.namespace}")
+        if status == 404:
+            return KubeNotServed(f"{self.where} does not serve {what}: {message}", "")
+        if status == 409:
+            return KubeConflict(f"{what} exists already: {message}", "")
+        return KubeError(f"{self.where} answered {status} to {method} {what}: {message}", "")
+
+    def _path(self, kind: str, name: str | None = None, namespaced: bool | None = None) -> str:
+        prefix, plural, _kind, ns = KINDS[kind]
+        base = f"{prefix}/namespaces/{self.namespace}/{plural}" if (ns if namespaced is None else namespaced) else \
+            f"{prefix}/{plural}"
+        return f"{base}/{name}" if name else base
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def list(self, kind: str, selector: str | None = None, *, all_namespaces: bool = False) -> list[dict]:
+        """Every object of `kind` (in the namespace) matching the label selector."""
+        query = {"labelSelector": selector} if selector else {}
+        path = self._path(kind, namespaced=False if all_namespaces else None)
+        doc = self.request("GET", path, query=query, what=KINDS[kind][1]) or {}
+        return list(doc.get("items") or [])
+
+    def get(self, kind: str, name: str) -> dict | None:
+        return self.request("GET", self._path(kind, name), what=f"{KINDS[kind][1]}/{name}")
+
+    def rayclusters_served(self) -> None:
+        """KubeNotServed (one line) unless the API serves KubeRay's `rayclusters` in ray.io/v1."""
+        doc = self.request("GET", f"/apis/{RAY_GROUP}/{RAY_VERSION}", what="ray.io/v1")
+        if not doc or not any(r.get("name") == RAYCLUSTERS for r in doc.get("resources") or []):
+            raise KubeNotServed(f"{self.where} does not serve ray.io/v1 rayclusters: KubeRay's CRD is not installed",
+                                "install the KubeRay operator (helm install kuberay-operator kuberay/kuberay-operator)"
+                                " or enable GKE's Ray add-on (--addons=RayOperator)")
+
+    # -- writes -----------------------------------------------------------------------------------
+
+    def create(self, obj: dict) -> dict:
+        kind = obj["kind"]
+        return self.request("POST", self._path(kind), body=obj, what=f"{KINDS[kind][1]}/{obj['metadata']['name']}")
+
+    def patch(self, kind: str, name: str, patch: dict) -> dict:
+        return self.request("PATCH", self._path(kind, name), body=patch, content_type="application/merge-patch+json",
+                            what=f"{KINDS[kind][1]}/{name}")
+
+    def delete(self, kind: str, name: str) -> bool:
+        """Delete (background propagation: what it owns goes with it); False if it was not there."""
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        return self.request("DELETE", self._path(kind, name), body=body, what=f"{KINDS[kind][1]}/{name}") is not None
+
+    # -- watching ---------------------------------------------------------------------------------
+
+    def watch(self, kind: str, selector: str | None, resource_version: str | None,
+              timeout: float) -> Iterator[tuple[str, dict]]:
+        """(type, object) events after `resource_version`, for at most `timeout` s. A 410 Gone (the
+        version is too old) ends it with KubeGone: list again and watch from the list's version."""
+        import json
+
+        query = {"watch": "true", "timeoutSeconds": str(max(1, int(timeout))), "allowWatchBookmarks": "true"}
+        if selector:
+            query["labelSelector"] = selector
+        if resource_version:
+            query["resourceVersion"] = resource_version
+        resp = self._send("GET", self._path(kind), query, None, "", timeout + timeout_s(), stream=True)
+        if resp.status == 410:
+            raise KubeGone()
+        if resp.status >= 300:
+            raise self._error(resp.status, resp.data, "GET", KINDS[kind][1])
+        r = resp.response
+        buf = b""
+        try:
+            for chunk in r.stream(4096):
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if not line.strip():
+                        continue
+                    ev = json.loads(line)
+                    if ev.get("type") == "ERROR":
+                        if (ev.get("object") or {}).get("code") == 410:
+                            raise KubeGone()
+                        raise KubeError(f"watching {KINDS[kind][1]}: {(ev.get('object') or {}).get('message')}", "")
+                    yield ev.get("type", ""), ev.get("object") or {}
+        except KubeError:
+            raise
+        except Exception:  # noqa: BLE001 - the stream ended (timeout, connection closed): the caller watches again
+            return
+        finally:
+            r.release_conn()
+
+    # -- port-forward -----------------------------------------------------------------------------
+
+    def forward(self, pod: str, port: int) -> "Forward":
+        """A local port reaching `port` of `pod` through the API (see `Forward`)."""
+        return Forward(self, pod, port)
+
+
+class KubeGone(KubeError):
+    """A watch's resourceVersion is too old (410 Gone)."""
+
+    def __init__(self) -> None:
+        super().__init__("the watch's resourceVersion is gone (410)", "list again")
+
+
+def _reason(e: BaseException) -> str:
+    text = str(getattr(e, "reason", "") or e)
+    for marker in ("Connection refused", "timed out", "Name or service not known", "CERTIFICATE_VERIFY_FAILED",
+                   "No route to host"):
+        if marker in text:
+            return marker.lower()
+    return (type(e).__name__ + ": " + text.splitlines()[0])[:160] if text else type(e).__name__
+
+
+class Forward:
+    """A port on 127.0.0.1 whose every connection reaches `port` of `pod`: each accepted connection
+    gets a port-forward of its own over the API's WebSocket (`kubernetes.stream.portforward`), and
+    bytes are copied both ways until either side closes. A thread of this process serves it; it
+    lives until `close()` (or the process's end)."""
+
+    def __init__(self, kube: Kube, pod: str, port: int) -> None:
+        self.kube, self.pod, self.remote_port = kube, pod, port
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = self._listener.getsockname()[1]
+        self._closed = threading.Event()
+        self.errors: list[str] = []
+        threading.Thread(target=self._accept, name=f"tpulaunch-forward-{pod}:{port}", daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        from kubernetes import client
+        from kubernetes.stream import portforward
+
+        try:
+            core = client.CoreV1Api(self.kube.api)
+            pf = portforward(core.connect_get_namespaced_pod_portforward, self.pod, self.kube.namespace,
+                             ports=str(self.remote_port), _request_timeout=timeout_s())
+            remote = pf.socket(self.remote_port)
+        except Exception as e:  # noqa: BLE001 - the pod went away, RBAC, ...: this connection fails, the next may not
+            self.errors.append(_reason(e))
+            conn.close()
+            return
+        remote.setblocking(True)
+        try:
+            _pump(conn, remote._socket if hasattr(remote, "_socket") else remote, self._closed)
+        finally:
+            conn.close()
+            try:
+                remote.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+
+def _pump(a: socket.socket, b: socket.socket, closed: threading.Event) -> None:
+    """Copy bytes both ways until one side closes (then the other is shut for writing)."""
+    open_ = {a: b, b: a}
+    while open_ and not closed.is_set():
+        r, _, _ = select.select(list(open_), [], [], 1.0)
+        for s in r:
+            try:
+                data = s.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                peer = open_.pop(s)
+                try:
+                    peer.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                if peer not in open_:
+                    return
+                continue
+            try:
+                open_[s].sendall(data)
+            except OSError:
+                return
