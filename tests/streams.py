@@ -33,7 +33,7 @@ QUEUE = os.environ.get("TPULAUNCH_TEST_QUEUE")
 # shared cluster's ~420, Ray Train's fits and the side cluster's other tests ~240, the re-created
 # slices 183, elastic 102, TorchTPU 43); the rest follow, the integration modules before the unit
 # tier's (many small units last, so that the processes end together).
-FIRST = ("shared cluster", "side cluster", "test_recreate.py", "test_elastic.py", "test_torch_tpu.py")
+FIRST = ("shared cluster", "test_gke.py", "side cluster", "test_recreate.py", "test_elastic.py", "test_torch_tpu.py")
 
 
 def unit_of(item: pytest.Item) -> str:

@@ -131,7 +131,7 @@ def status_doc(env: dict[str, str], run_id: str) -> dict:
     import tpulaunch
 
     with mock.patch.dict(os.environ):  # restored as it was on the way out
-        for k in ("TPULAUNCH_HOME", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        for k in ("TPULAUNCH_HOME", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", "KUBECONFIG"):
             os.environ.pop(k, None)
             if env.get(k) is not None:
                 os.environ[k] = env[k]

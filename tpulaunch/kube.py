@@ -147,6 +147,8 @@ KINDS: dict[str, Kind] = {
     "ServiceAccount": ("/api/v1", "serviceaccounts", "ServiceAccount", True),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", "Role", True),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", "RoleBinding", True),
+    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", "ClusterRole", False),
+    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", "ClusterRoleBinding", False),
     "RayCluster": (f"/apis/{RAY_GROUP}/{RAY_VERSION}", RAYCLUSTERS, "RayCluster", True),
 }
 
@@ -182,18 +184,20 @@ class Kube:
                             "check the cluster's endpoint and your network (`kubectl cluster-info`)") from None
 
     def request(self, method: str, path: str, *, query: dict | None = None, body: Any = None,
-                content_type: str = "application/json", what: str = "", timeout: float | None = None) -> Any:
-        """One call: the decoded JSON (None for 404 on GET/DELETE), or one line (KubeError and kin)."""
+                content_type: str = "application/json", what: str = "", timeout: float | None = None,
+                verb: str | None = None) -> Any:
+        """One call: the decoded JSON (None for 404 on GET/DELETE), or one line (KubeError and kin).
+        `verb`: the RBAC verb the call needs, when the method does not say it (list)."""
         import json
 
         resp = self._send(method, path, query, body, content_type, timeout)
         if resp.status == 404 and method in ("GET", "DELETE"):
             return None
         if resp.status >= 300:
-            raise self._error(resp.status, resp.data, method, what or path)
+            raise self._error(resp.status, resp.data, method, what or path, verb)
         return json.loads(resp.data) if resp.data else None
 
-    def _error(self, status: int, body: bytes | None, method: str, what: str) -> Exception:
+    def _error(self, status: int, body: bytes | None, method: str, what: str, verb: str | None = None) -> Exception:
         import json
 
         try:
@@ -205,7 +209,7 @@ class Kube:
             return KubeError(f"{self.where} refused the credentials (401 Unauthorized)",
                              "refresh them: `gcloud container clusters get-credentials CLUSTER --location L`")
         if status == 403:
-            verb = {"GET": "get", "POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}[method]
+            verb = verb or {"GET": "get", "POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}[method]
             return KubeForbidden(f"forbidden by RBAC: {message or what}",
                                  f"ask your cluster admin for '{verb}' on {what} in namespace {self.namespace}")
         if status == 404:
@@ -226,7 +230,7 @@ class Kube:
         """Every object of `kind` (in the namespace) matching the label selector."""
         query = {"labelSelector": selector} if selector else {}
         path = self._path(kind, namespaced=False if all_namespaces else None)
-        doc = self.request("GET", path, query=query, what=KINDS[kind][1]) or {}
+        doc = self.request("GET", path, query=query, what=KINDS[kind][1], verb="list") or {}
         return list(doc.get("items") or [])
 
     def get(self, kind: str, name: str) -> dict | None:
@@ -272,7 +276,7 @@ class Kube:
         if resp.status == 410:
             raise KubeGone()
         if resp.status >= 300:
-            raise self._error(resp.status, resp.data, "GET", KINDS[kind][1])
+            raise self._error(resp.status, resp.data, "GET", KINDS[kind][1], "watch")
         r = resp.response
         buf = b""
         try:

@@ -94,10 +94,9 @@ def up(
         if tpu or script:
             raise LaunchError("--gke with --tpu/--setup: a cluster is on GKE or on TPU VMs", "give one of them")
         target = KubeTarget(kubeconfig, context, namespace)
-        _refuse_if_up(gke=True)
+        _refuse_if_up(gke=True, name=join_name or ("tpulaunch" if name == "emulated" else name))
         if join_name:
-            with out.status(f"joining RayCluster {join_name} ...") as st:
-                info = gke_provider.join(target, join_name, _say(out, st))
+            info = gke_provider.join(target, join_name, lambda msg: out.info(msg))
         else:
             if not topology or not accelerator:
                 raise LaunchError("--gke needs --topology and --accelerator", "e.g. --topology 2x2x2 --accelerator v5p")
@@ -115,8 +114,9 @@ def up(
 
                     out.line(_json.dumps(doc, indent=2))
                 return
+            checked = gke_provider.check_up(req)  # before any progress line: a bad request is one line
             with out.status(f"bringing up RayCluster {req.name} on GKE ...") as st:
-                info = gke_provider.up(req, _say(out, st))
+                info = gke_provider.up(checked, _say(out, st))
         if json_out:
             out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,
                       "slices": [s.to_dict() for s in info.slices], "token_path": info.token_path,
@@ -187,12 +187,13 @@ def _say(out: Output, st):  # noqa: ANN001, ANN202 - a rich status (or None in a
     return say
 
 
-def _refuse_if_up(gke: bool) -> None:
-    """One cluster is recorded at a time: a second `cluster up` of another kind is refused."""
+def _refuse_if_up(gke: bool, name: str | None = None) -> None:
+    """One cluster is recorded at a time: a second `cluster up` of another kind (or another RayCluster)
+    is refused; the same one again is not (hosts already up are left alone)."""
     rec = load_record()
     if rec is None:
         return
-    if rec.gke is not None and not gke:
+    if rec.gke is not None and (not gke or (name is not None and name != rec.gke.name)):
         raise ClusterError(f"a cluster on GKE (RayCluster {rec.gke.name}) is recorded as up",
                            "stop it first with `tpulaunch cluster down`")
     if gke and (rec.remote or (rec.emulated and rec.running_here)):

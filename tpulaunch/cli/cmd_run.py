@@ -299,7 +299,7 @@ def _on_a_gke_cluster_of_its_own(out: Output, req: run.LaunchRequest, target, *,
         raise LaunchError("a cluster is recorded as up already", "run on it with --address auto, or `cluster down` it")
     up = gke_provider.UpRequest(target, f"tpl-run-{secrets.token_hex(3)}", sl.topology, sl.accelerator,
                                 sl.num_slices or 1, sl.chips_per_host, spot, image)
-    gke_provider.request_of(up, target.namespace or "default", "check")  # the flags, before anything is made
+    checked = gke_provider.check_up(up)  # the flags, the API, the pools: before anything is made
     with out.status(f"bringing up RayCluster {up.name} on GKE for this run ...") as st:
         def say(msg: str) -> None:
             if st is not None:
@@ -307,7 +307,7 @@ def _on_a_gke_cluster_of_its_own(out: Output, req: run.LaunchRequest, target, *,
             if st is None or not out.interactive:
                 out.info(msg)
 
-        info = gke_provider.up(up, say)
+        info = gke_provider.up(checked, say)
     try:
         plain = dataclasses.replace(req, address="auto", keep_cluster=False)
         return run_request(out, plain, hosts=hosts, dry_run=False, attach_stop=True)

@@ -43,7 +43,7 @@ def pools_doc(target: kube.KubeTarget) -> dict:
 
 
 def list_pools(out: Output, target: kube.KubeTarget, json_out: bool) -> None:
-    with out.status("listing TPU node pools through the Kubernetes API ..."):
+    with out.spinner("listing TPU node pools through the Kubernetes API ..."):
         doc = pools_doc(target)
     if json_out:
         out.json(doc)
@@ -72,7 +72,7 @@ def describe_pool(out: Output, target: kube.KubeTarget, pool: str, json_out: boo
     from tpulaunch.discover import gke as discover_gke
     from tpulaunch.errors import ExitCode
 
-    with out.status(f"reading node pool {pool} through the Kubernetes API ..."):
+    with out.spinner(f"reading node pool {pool} through the Kubernetes API ..."):
         k = kube.connect(target)
         pools = {p.pool: p for p in discover_gke.list_pools(k)}
     if pool not in pools:

@@ -78,6 +78,15 @@ class Output:
         self.err.print(Text("error: ", style="red bold") + Text(text), soft_wrap=True)
 
     @contextlib.contextmanager
+    def spinner(self, message: str) -> Iterator[Any]:
+        """A spinner on a terminal; nothing in a pipe (a quick read whose result, or one error line, follows)."""
+        if self.interactive and not self.quiet:
+            with self.err.status(message) as st:
+                yield st
+        else:
+            yield None
+
+    @contextlib.contextmanager
     def status(self, message: str) -> Iterator[Any]:
         """A spinner on a terminal; one plain line on stderr otherwise."""
         if self.interactive and not self.quiet:

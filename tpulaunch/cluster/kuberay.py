@@ -95,13 +95,26 @@ def slices_from_pods(pods: list[dict], group: str, accelerator_type: str, topolo
     return out
 
 
-def slice_loss(pods: list[dict], group: str, replica: int, hosts: int) -> str | None:
-    """Why the slice's hosts went with their nodes (a spot preemption, a repair), from its pods; None
-    when its pods say nothing of the kind (a host whose script failed while its pod runs). Pure.
+def _node_down(node: dict | None) -> str | None:
+    """Why a node cannot keep its pods (None: it is Ready): gone, shutting down, being terminated."""
+    if node is None:
+        return "is gone"
+    ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None)
+    if ready is None or ready.get("status") != "True":
+        return f"is NotReady ({(ready or {}).get('message') or (ready or {}).get('reason') or 'no status'})"
+    if any(t.get("key") == "cloud.google.com/impending-node-termination" for t in (node.get("spec") or {}).get("taints") or []):
+        return "is being terminated (impending-node-termination)"
+    return None
 
-    A pod ended by the kubelet's node shutdown is `Failed` with a `DisruptionTarget` condition (or
-    reason Terminated/NodeShutdown); KubeRay then deletes the whole replica and makes it again, so a
-    replica whose pods are new and not all running again was lost the same way."""
+
+def slice_loss(pods: list[dict], nodes: dict[str, dict], group: str, replica: int) -> str | None:
+    """Why the slice's hosts are going or went with their nodes (a spot preemption, a repair), from
+    its pods and their nodes; None when nothing of the kind shows (a host whose script failed while
+    its pod and node are fine). Pure.
+
+    The kubelet's graceful shutdown first makes the node NotReady, then ends its pods `Failed` with
+    a `DisruptionTarget` condition (reason Terminated); KubeRay then deletes the whole replica and
+    makes it again: a node down, a pod so ended, or pods of the replica being deleted all say it."""
     mine = [p for p in pods if _in(p, group, replica)]
     for p in mine:
         st = p.get("status") or {}
@@ -111,11 +124,21 @@ def slice_loss(pods: list[dict], group: str, replica: int, hosts: int) -> str | 
             why = (disrupted or {}).get("reason") or st.get("reason")
             node = (p.get("spec") or {}).get("nodeName") or "?"
             return f"pod {p['metadata']['name']} on node {node} ended: {why} ({st.get('message') or 'node shut down'})"
-    live = [p for p in mine if not _deleting(p)]
-    if len(live) < hosts or not all(_ready(p) for p in live):
-        return (f"KubeRay is making its replica again ({sum(1 for p in live if _ready(p))} of {hosts} pods ready):"
-                " its pods went with their nodes")
+    for p in mine:
+        node = (p.get("spec") or {}).get("nodeName")
+        down = _node_down(nodes.get(node)) if node else None
+        if down and not _deleting(p) and (p.get("status") or {}).get("phase") in ("Running", "Pending"):
+            return f"node {node} of pod {p['metadata']['name']} {down}"
+    if any(_deleting(p) for p in mine):
+        return "KubeRay is deleting its replica (a host of it went): it makes the replica again"
     return None
+
+
+def replica_whole(pods: list[dict], nodes: dict[str, dict], group: str, replica: int, hosts: int) -> bool:
+    """Every host of the replica is a ready pod on a ready node, none going. Pure."""
+    mine = [p for p in pods if _in(p, group, replica)]
+    return (len(mine) == hosts and all(_ready(p) and not _deleting(p) for p in mine)
+            and all(_node_down(nodes.get((p.get("spec") or {}).get("nodeName", ""))) is None for p in mine))
 
 
 def head_pod(kube, name: str) -> dict | None:  # noqa: ANN001 - tpulaunch.kube.Kube
@@ -179,6 +202,24 @@ def wait_pods(kube, name: str, group: str, num_slices: int, hosts: int, timeout_
         time.sleep(poll_s)
 
 
+def wait_head(kube, name: str, timeout_s: float, say: Callable[[str], None], poll_s: float = 1.0) -> dict:  # noqa: ANN001
+    """Until the head pod runs and is ready: the pod. ClusterError after `timeout_s` (saying why it waits)."""
+    end = time.monotonic() + timeout_s
+    said = False
+    while True:
+        pods = [p for p in kube.list("Pod", selector(name, head=True)) if not _deleting(p)]
+        if pods and _ready(pods[0]):
+            return pods[0]
+        if not said:
+            say("waiting for the head pod")
+            said = True
+        if time.monotonic() >= end:
+            why = _pending_reason(pods)
+            raise ClusterError(f"the head pod of {name} was not ready within {timeout_s:g} s" + (f" ({why})" if why else ""),
+                               "is there a CPU node pool for it? (`kubectl describe pod -l ray.io/node-type=head`)")
+        time.sleep(poll_s)
+
+
 def _pending_reason(pods: list[dict]) -> str:
     for p in pods:
         st = p.get("status") or {}
@@ -200,5 +241,5 @@ def check_name(name: str) -> None:
                              "use lower-case letters, digits and dashes, a letter first, at most 53")
 
 
-__all__ = ["SliceProgress", "check_name", "create_all", "delete_all", "head_pod", "manifest", "selector", "slice_loss",
-           "slice_progress", "slices_from_pods", "wait_pods"]
+__all__ = ["SliceProgress", "check_name", "create_all", "delete_all", "head_pod", "manifest", "replica_whole", "selector",
+           "slice_loss", "slice_progress", "slices_from_pods", "wait_pods"]

@@ -142,8 +142,10 @@ def token_secret(req: GkeClusterRequest, token: str) -> dict:
 
 def supervisor_rbac(req: GkeClusterRequest) -> list[dict]:
     """The head's service account and what it may do: read its pods (whose end says a slice was
-    preempted) and its RayCluster, in this namespace only."""
+    preempted) and its RayCluster in this namespace, and the nodes (cluster-wide: a node going
+    NotReady is the first sign of a spot preemption)."""
     sa = req.service_account
+    cluster_wide = f"tpulaunch-{req.namespace}-{req.name}"[:253]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(req, sa)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(req, sa),
@@ -151,6 +153,13 @@ def supervisor_rbac(req: GkeClusterRequest) -> list[dict]:
                    {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(req, sa),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
+         "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": req.namespace}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": cluster_wide, "labels": _labels(req)},
+         "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": cluster_wide, "labels": _labels(req)},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_wide},
          "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": req.namespace}]},
     ]
 

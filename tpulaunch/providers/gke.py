@@ -25,6 +25,9 @@ from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.providers.base import Progress, Provider, Recreation, RejoinFailed, Say
 
 DEFAULT_TIMEOUT_S = 900.0
+# How long a lost host's slice may take to show its loss in the API (the kubelet's shutdown: GKE gives
+# spot pods 15 s of a 30 s notice, up to 120 s when extended) before it is taken for a host lost alone.
+SETTLE_S = 45.0
 
 
 def token_key(target: kube_mod.KubeTarget, namespace: str, name: str) -> str:
@@ -89,27 +92,43 @@ def _connect(target: kube_mod.KubeTarget) -> kube_mod.Kube:
     return kube_mod.connect(target)
 
 
-def up(request: UpRequest, say: Say) -> ClusterInfo:
-    """Bring the RayCluster up and wait until every host of every slice is in Ray; its record.
+@dataclass
+class Checked:
+    """An `UpRequest` that passed every check that asks nothing to be made (what `up` goes on from)."""
 
-    Checked first, in one line each: the API reachable and KubeRay's CRD served, a RayCluster of that
-    name not made by tpulaunch (refused), node pools of the shape (enough of them). A failure after
-    something was made deletes it all; an interrupt leaves the record, which `cluster down` clears."""
+    request: UpRequest
+    kube: kube_mod.Kube
+    existing: dict | None  # the RayCluster of that name, if tpulaunch made it already
+    pools: list  # the node pools the slices fit on
+
+
+def check_up(request: UpRequest) -> Checked:
+    """Everything that can be checked before anything is made, in one line each: the flags, the API
+    reachable and KubeRay's CRD served, a RayCluster of that name not made by tpulaunch (refused),
+    node pools of the shape (enough of them)."""
     kube = _connect(request.target)
+    shape_req = request_of(request, kube.namespace, "check")
     kube.rayclusters_served()
-    ns = kube.namespace
     existing = kube.get("RayCluster", request.name)
     if existing is not None and not manifest.is_ours(existing, request.name):
-        raise ClusterError(f"a RayCluster named {request.name} is in namespace {ns} and tpulaunch did not make it",
-                           f"choose another --name, or adopt it with `tpulaunch cluster up --gke --join {request.name}`")
+        raise ClusterError(f"a RayCluster named {request.name} is in namespace {kube.namespace} and tpulaunch did not"
+                           " make it", f"choose another --name, or adopt it with `tpulaunch cluster up --gke --join"
+                           f" {request.name}`")
+    return Checked(request, kube, existing, _check_pools(_pools(kube), shape_req, request.spot))
+
+
+def up(checked: Checked, say: Say) -> ClusterInfo:
+    """Bring the RayCluster up and wait until every host of every slice is in Ray; its record.
+
+    A failure after something was made deletes it all; an interrupt leaves the record, which
+    `cluster down` clears."""
+    request, kube, existing = checked.request, checked.kube, checked.existing
+    ns = kube.namespace
     key = token_key(request.target, ns, request.name)
     token_path, token, _created = tokens.ensure_token(key)
     req = request_of(request, ns, tokens.cluster_id_of(token))
-    pools = _pools(kube)
-    fit = _check_pools(pools, req, request.spot)
-    if fit:
-        say(f"node pools for {req.num_slices} x {req.shape.topology.accelerator_type} ({req.shape.topology.topology}):"
-            f" {', '.join(p.pool for p in fit)}")
+    say(f"node pools for {req.num_slices} x {req.shape.topology.accelerator_type} ({req.shape.topology.topology}):"
+        f" {', '.join(p.pool for p in checked.pools)}")
     objs = manifest.objects(req, token)
     names = tuple(f"{o['kind']}/{o['metadata']['name']}" for o in objs)
     spec = GkeSpec(request.name, ns, request.target.context, request.target.kubeconfig, True, manifest.GROUP, names)
@@ -124,11 +143,12 @@ def up(request: UpRequest, say: Say) -> ClusterInfo:
         else:
             say(f"RayCluster {request.name} is up already (made by tpulaunch): waiting for it")
         shape = req.shape
+        provider = GkeProvider(info)
+        kuberay.wait_head(kube, request.name, request.timeout_s, say)
+        api = provider.job_api(kube)
+        check_image(api, req.image, say)  # as soon as the head runs: a wrong image fails before any TPU wait
         pods = kuberay.wait_pods(kube, request.name, manifest.GROUP, req.num_slices, shape.hosts, request.timeout_s,
                                  lambda prog, head: say(_progress_line(prog, head)))
-        provider = GkeProvider(info)
-        api = provider.job_api(kube)
-        check_image(api, req.image, say)
         wait_ray(api, [f"{manifest.GROUP}-{r}" for r in range(req.num_slices)], shape.hosts, request.timeout_s, say)
         info.slices = kuberay.slices_from_pods(pods, manifest.GROUP, shape.topology.accelerator_type,
                                                shape.topology.topology, req.num_slices)
@@ -290,6 +310,7 @@ class GkeProvider(Provider):
         assert info.gke is not None
         self.spec = info.gke
         self._kube: kube_mod.Kube | None = None
+        self._shape_cache: tuple[int, str, str] | None = None
 
     @property
     def target(self) -> kube_mod.KubeTarget:
@@ -413,46 +434,74 @@ class GkeProvider(Provider):
         return int(tail) if tail.isdigit() else None
 
     def _hosts(self) -> int:
-        rc = self.kube().get("RayCluster", self.spec.name) or {}
-        for g in (rc.get("spec") or {}).get("workerGroupSpecs") or []:
-            if g.get("groupName") == self.spec.group:
-                return int(g.get("numOfHosts", 1))
-        return max((len(s.workers) for s in self.info.slices), default=1)
+        return self._shape()[0]
+
+    def _shape(self) -> tuple[int, str, str]:
+        """(hosts per slice, accelerator type, topology) of the TPU group, from the RayCluster."""
+        if self._shape_cache is None:
+            rc = self.kube().get("RayCluster", self.spec.name) or {}
+            group = next((g for g in (rc.get("spec") or {}).get("workerGroupSpecs") or []
+                          if g.get("groupName") == self.spec.group), None)
+            if group is None:
+                raise ClusterError(f"RayCluster {self.spec.name} has no worker group {self.spec.group}",
+                                   "is it the cluster tpulaunch brought up? (`tpulaunch cluster status`)")
+            sel = group["template"]["spec"].get("nodeSelector") or {}
+            chips = int(group["template"]["spec"]["containers"][0]["resources"]["limits"][gke.TPU_RESOURCE])
+            g = gke.generation_of_label(sel.get(gke.ACCELERATOR_LABEL, ""))
+            topo = sel.get(gke.TOPOLOGY_LABEL, "")
+            acc = gke.shape(g.generation, topo, chips).topology.accelerator_type if g and topo else ""
+            self._shape_cache = (int(group.get("numOfHosts", 1)), acc, topo)
+        return self._shape_cache
+
+    def _facts(self) -> tuple[list[dict], dict[str, dict]]:
+        """The cluster's pods and the TPU nodes, as the API has them now."""
+        kube = self.kube()
+        pods = kube.list("Pod", kuberay.selector(self.spec.name))
+        nodes = {n["metadata"]["name"]: n for n in kube.list("Node", gke.ACCELERATOR_LABEL)}
+        return pods, nodes
 
     def preempted(self, slices: list[str]) -> dict[str, str | None]:
-        pods = self.kube().list("Pod", kuberay.selector(self.spec.name))
-        hosts = self._hosts()
+        pods, nodes = self._facts()
         out: dict[str, str | None] = {}
         for s in slices:
             r = self._replica(s)
-            out[s] = kuberay.slice_loss(pods, self.spec.group, r, hosts) if r is not None else None
+            out[s] = kuberay.slice_loss(pods, nodes, self.spec.group, r) if r is not None else None
         return out
 
-    def preempted_again(self, lost: list[str]) -> bool:
-        """A pod of a lost slice ended by a node shutdown again (not: its replica is still coming back)."""
-        pods = self.kube().list("Pod", kuberay.selector(self.spec.name))
-        return any((p.get("status") or {}).get("phase") == "Failed" and self._replica_of(p) in
-                   {self._replica(s) for s in lost} for p in pods)
-
-    def _replica_of(self, pod: dict) -> int | None:
-        raw = (pod["metadata"].get("labels") or {}).get(kuberay.REPLICA, "")
-        return int(raw) if raw.isdigit() else None
-
     def bring_back(self, lost: list[str], deadline_s: float, say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
-        """KubeRay makes a lost slice's replica again by itself (once GKE has the node pool back): wait
-        for its pods to be ready, bounded by `deadline_s`; the cluster's slices at their new addresses."""
-        kube = self.kube()
+        """KubeRay makes a lost slice's replica again by itself, once GKE has its node pool back: wait
+        for the loss to show (the node NotReady, the pods ended or deleted: within the kubelet's
+        shutdown grace, `SETTLE_S` at most), then for the replica to be whole on ready nodes, bounded
+        by `deadline_s`. The cluster's slices at their new addresses."""
+        end = time.monotonic() + deadline_s
         hosts = self._hosts()
+        wanted = {s: self._replica(s) for s in lost}
+        known = {s.name: sorted(w.ip for w in s.workers) for s in self.info.slices}  # where the run had them
+        why: dict[str, str] = {}
+        settle = min(end, time.monotonic() + SETTLE_S)
+        while True:
+            pods, nodes = self._facts()
+            now = {sp.name: sorted(w.ip for w in sp.workers) for sp in
+                   kuberay.slices_from_pods(pods, self.spec.group, "", "", max(wanted.values(), default=0) + 1)}
+            for s, r in wanted.items():
+                if s not in why and r is not None:
+                    w = kuberay.slice_loss(pods, nodes, self.spec.group, r)
+                    if w or not kuberay.replica_whole(pods, nodes, self.spec.group, r, hosts):
+                        why[s] = w or "its pods are not all ready: KubeRay makes its replica whole again"
+                    elif known.get(s) and now.get(s) and known[s] != now[s]:
+                        why[s] = ("KubeRay made its replica again (new pods at new addresses): the old ones went with"
+                                  " their nodes")
+            if len(why) == len(wanted) or time.monotonic() >= settle:
+                break
+            time.sleep(1.0)
         recs = []
-        pods = kube.list("Pod", kuberay.selector(self.spec.name))
         for s in lost:
-            r = self._replica(s)
-            why = (kuberay.slice_loss(pods, self.spec.group, r, hosts) if r is not None else None) or "its hosts were lost"
-            say(f"slice {s}: {why}: waiting for GKE to make its node pool again and KubeRay its replica")
-            recs.append(Recreation(s, "", why))
+            w = why.get(s) or "a host was lost while its pod and node stayed (its Ray node is started again)"
+            say(f"slice {s}: {w}: waiting for GKE to make its node pool again and KubeRay its replica")
+            recs.append(Recreation(s, "", w))
         t0 = time.monotonic()
         try:
-            slices = self._wait_whole(lost, deadline_s, hosts)
+            slices = self._wait_whole(lost, max(1.0, end - time.monotonic()), hosts)
         except RejoinFailed as e:
             for rec in recs:
                 rec.join_failures.append(e.why)
@@ -468,22 +517,25 @@ class GkeProvider(Provider):
     def rejoin(self, lost: list[str], deadline_s: float, say: Say) -> list[SliceSpec]:
         return self._wait_whole(lost, deadline_s, self._hosts())
 
+    def preempted_again(self, lost: list[str]) -> bool:
+        """A pod of a lost slice ended by a node shutdown again (not: its replica is still coming back)."""
+        pods, _nodes = self._facts()
+        return any(kuberay.slice_loss([p for p in pods if (p.get("status") or {}).get("phase") == "Failed"], {},
+                                      self.spec.group, r) for r in (self._replica(s) for s in lost) if r is not None)
+
     def _wait_whole(self, lost: list[str], deadline_s: float, hosts: int) -> list[SliceSpec]:
-        kube = self.kube()
         end = time.monotonic() + deadline_s
-        wanted = {self._replica(s) for s in lost}
+        wanted = sorted(r for r in (self._replica(s) for s in lost) if r is not None)
         while True:
-            pods = kube.list("Pod", kuberay.selector(self.spec.name))
-            progress = {int(p.name.rsplit("-", 1)[1]): p for p in
-                        kuberay.slice_progress(pods, self.spec.group, len(self.info.slices) or max(wanted) + 1, hosts)}
-            if all(progress[r].whole for r in wanted if r is not None and r in progress):
+            pods, nodes = self._facts()
+            if all(kuberay.replica_whole(pods, nodes, self.spec.group, r, hosts) for r in wanted):
                 break
             if time.monotonic() >= end:
-                lines = "; ".join(progress[r].line() for r in sorted(w for w in wanted if w is not None) if r in progress)
-                raise RejoinFailed(f"not whole again within the wait ({lines})")
+                prog = kuberay.slice_progress(pods, self.spec.group, max(wanted, default=0) + 1, hosts)
+                raise RejoinFailed("not whole again within the wait (" + "; ".join(prog[r].line() for r in wanted) + ")")
             time.sleep(1.0)
-        topo = self.info.slices[0] if self.info.slices else None
-        fresh = kuberay.slices_from_pods(pods, self.spec.group, topo.accelerator_type if topo else "",
-                                         topo.topology if topo else "", len(self.info.slices))
+        _hosts, acc, topo = self._shape()
+        n = max(len(self.info.slices), max(wanted, default=0) + 1)
+        fresh = kuberay.slices_from_pods(pods, self.spec.group, acc, topo, n)
         self.info.slices = fresh
         return fresh

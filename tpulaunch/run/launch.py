@@ -230,6 +230,8 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
               cluster: ClusterInfo, attempts: list[Attempt], timeline: Timeline) -> tuple[policy.Spent, str | None]:
     """Run attempts until the policy finishes the run; returns what was spent and why it finished."""
     regrowths: list[elastic.Regrowth] = []  # lost slices coming back while the run trains on the others
+    if not cluster.slices:  # a cluster known by its address: its slices are the ones the run found there
+        cluster.slices = list(plan.slices)
     try:
         return _attempt_loop(plan, req, sink, limits, sigs, cluster, attempts, timeline, regrowths)
     finally:

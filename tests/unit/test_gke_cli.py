@@ -1,0 +1,279 @@
+"""`slice list/describe --gke`, `cluster up --gke --dry-run`, and every bad input of GKE, in this process.
+
+The Kubernetes API is the fake's (tests/fakes/gke/apiserver.py: HTTPS, tokens, RBAC, discovery,
+KubeRay's CRD), served from a thread with GKE's nodes in it and no kubelet: nothing here starts a
+pod. The CLI runs in this process (`fakes.invoke`) and talks to it with the official client.
+
+The manifests of every GKE generation are a golden file (delete it to record it again, then read the
+diff), each one validated against KubeRay v1.7.0's RayCluster CRD (vendored) and accepted by the
+KubeRay TPU webhook's validation, and its TPU pods (as KubeRay builds them) by the webhook's mutation.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+import pytest
+
+from fakes import cli_env, closed_port, invoke
+from fakes.gke import NodePool, node_names, node_object, tpu
+from fakes.gke import kuberay as fake_kuberay
+from fakes.gke import tpu_pool
+from fakes.gke.apiserver import ApiServer, Store
+from fakes.kuberay import crd
+from tpulaunch.errors import ExitCode
+
+GOLDEN = Path(__file__).parent / "golden" / "gke_manifests.json"
+TOKEN = "admin-token-" + secrets.token_hex(4)
+
+POOLS = [
+    NodePool("default-pool", nodes=2),
+    tpu_pool("v4-16", "tpu-v4-podslice", "2x2x2"),
+    tpu_pool("v5e-8t", "tpu-v5-lite-podslice", "2x4", chips=8),
+    tpu_pool("v5e-16", "tpu-v5-lite-podslice", "4x4", spot=True, maintenance=1893456000),
+    tpu_pool("v5p-16", "tpu-v5p-slice", "2x2x2", spot=True),
+    tpu_pool("v6e-4t", "tpu-v6e-slice", "2x4", chips=4),
+    tpu_pool("v6e-256", "tpu-v6e-slice", "16x16"),
+    tpu_pool("tpu7x-8", "tpu7x", "2x2x1"),
+    tpu_pool("tpu7x-16", "tpu7x", None, nodes=2, placement_policy="wp-ironwood"),  # from a workload policy
+    tpu_pool("v4-broken", "tpu-v4-podslice", "2x2x4", nodes=3),  # a host missing
+]
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    store = Store()
+    for pool in POOLS:
+        for name in node_names("unit", pool):
+            store.create("nodes", node_object(pool, name, "10.0.0.1"))
+    server = ApiServer(store, {TOKEN: "admin"})
+    server.start()
+    home = tmp_path_factory.mktemp("gke-cli")
+    kubeconfig = server.kubeconfig(home / "kubeconfig", user="admin", token=TOKEN)
+    yield server, store, str(kubeconfig), home
+    server.stop()
+
+
+@pytest.fixture
+def env(api, tmp_path):
+    server, _store, kubeconfig, _home = api
+    return cli_env(tmp_path / "home", KUBECONFIG=kubeconfig, TPULAUNCH_HOME=str(tmp_path / "state"))
+
+
+def one_line(proc, code: int) -> str:
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+# -- discovery ------------------------------------------------------------------------------------
+
+
+def test_slice_list_gke_shows_every_tpu_node_pool_as_a_slice(env):
+    proc = invoke("slice", "list", "--gke", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    pools = {p["pool"]: p for p in json.loads(proc.stdout)["node_pools"]}
+    assert set(pools) == {p.name for p in POOLS if p.accelerator}
+    row = {k: (p["generation"], p["topology"], p["expected_hosts"], p["ready"], p["accelerator_type"], p["state"])
+           for k, p in pools.items()}
+    assert row == {
+        "v4-16": ("v4", "2x2x2", 2, 2, "v4-16", "READY"),
+        "v5e-8t": ("v5e", "2x4", 1, 1, "v5litepod-8", "READY"),  # one 8-chip VM ...
+        "v6e-4t": ("v6e", "2x4", 2, 2, "v6e-8", "READY"),  # ... or two 4-chip VMs: the nodes' chips say which
+        "v5e-16": ("v5e", "4x4", 4, 4, "v5litepod-16", "READY"),
+        "v5p-16": ("v5p", "2x2x2", 2, 2, "v5p-16", "READY"),
+        "v6e-256": ("v6e", "16x16", 64, 64, "v6e-256", "READY"),
+        "tpu7x-8": ("v7x", "2x2x1", 1, 1, "tpu7x-8", "READY"),
+        "tpu7x-16": ("v7x", None, None, 2, None, "UNKNOWN_TOPOLOGY"),
+        "v4-broken": ("v4", "2x2x4", 4, 3, "v4-32", "INCOMPLETE"),
+    }
+    assert pools["v5e-16"]["spot"] and pools["v5e-16"]["maintenance_at"] == "2030-01-01T00:00:00Z"
+    assert pools["tpu7x-16"]["placement_policy"] == "wp-ironwood"
+    assert pools["v6e-4t"]["machine_type"] == "ct6e-standard-4t"
+    table = invoke("slice", "list", "--gke", env=env)
+    assert table.returncode == 0
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:4] == ["POOL", "GENERATION", "TOPOLOGY", "HOSTS"]
+    broken = next(ln for ln in lines if ln.startswith("v4-broken"))
+    assert "3/4 (3 nodes)" in broken and "INCOMPLETE (3 of 4 hosts)" in broken
+
+
+def test_slice_describe_gke_reads_one_pool_and_exits_4_for_an_incomplete_one(env):
+    ok = invoke("slice", "describe", "v5p-16", "--gke", "--json", env=env)
+    assert ok.returncode == 0, ok.stderr
+    doc = json.loads(ok.stdout)
+    assert (doc["accelerator_type"], doc["hosts"], doc["source"], doc["node_pool"]["machine_type"]) == (
+        "v5p-16", 2, "gke", "ct5p-hightpu-4t")
+    bad = invoke("slice", "describe", "v4-broken", "--gke", env=env)
+    assert bad.returncode == ExitCode.NOT_READY and "3 of 4 hosts" in bad.stderr
+    missing = invoke("slice", "describe", "nope", "--gke", env=env)
+    assert "no TPU node pool named nope" in one_line(missing, ExitCode.DISCOVERY)
+
+
+# -- manifests ------------------------------------------------------------------------------------
+
+CASES = {
+    "v4-2x2x2-x2": ("--topology", "2x2x2", "--accelerator", "v4", "--num-slices", "2"),
+    "v5e-2x4-one-vm": ("--topology", "2x4", "--accelerator", "v5e"),
+    "v5e-4x4-spot": ("--topology", "4x4", "--accelerator", "v5e", "--spot"),
+    "v5p-2x2x2-x2-spot": ("--topology", "2x2x2", "--accelerator", "v5p", "--num-slices", "2", "--spot"),
+    "v5p-4x4x4": ("--topology", "4x4x4", "--accelerator", "v5p"),
+    "v6e-2x4-two-vms": ("--topology", "2x4", "--accelerator", "v6e", "--chips-per-host", "4"),
+    "v6e-16x16": ("--topology", "16x16", "--accelerator", "v6e"),
+    "tpu7x-2x2x1": ("--topology", "2x2x1", "--accelerator", "tpu7x"),
+    "tpu7x-2x2x2-policy": ("--topology", "2x2x2", "--accelerator", "tpu7x", "--placement-policy", "wp-ironwood"),
+}
+
+
+def _dry_run(env, args) -> dict:
+    proc = invoke("cluster", "up", "--gke", *args, "--image", "example.com/tpulaunch:0.1.0", "--name", "golden",
+                  "--namespace", "ml", "--dry-run", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_dry_run_manifests_of_every_gke_generation_are_the_golden_ones_and_kuberay_takes_them(env):
+    got = {name: _dry_run(env, args) for name, args in CASES.items()}
+    if not GOLDEN.exists():  # first run: record (commit the file)
+        GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    want = json.loads(GOLDEN.read_text())
+    assert sorted(want) == sorted(got)
+    for name, rc in got.items():
+        assert rc == want[name], f"{name} differs from {GOLDEN}; if the change is meant, delete the file and rerun"
+        assert rc["kind"] == "RayCluster" and rc["apiVersion"] == "ray.io/v1"
+        assert crd.validate(rc) == [], (name, crd.validate(rc))  # KubeRay v1.7.0's schema, strictly
+        tpu.webhook_validate(rc)  # numOfHosts agrees with the topology and chips
+        g = rc["spec"]["workerGroupSpecs"][0]
+        assert g["replicas"] == g["minReplicas"] == g["maxReplicas"]
+        limits = g["template"]["spec"]["containers"][0]["resources"]
+        assert limits["limits"] == limits["requests"]
+        head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+        assert head["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+            "matchExpressions"] == [{"key": "cloud.google.com/gke-tpu-accelerator", "operator": "DoesNotExist"}]
+        # what KubeRay makes of it, the webhook admits (single- and multi-host)
+        rc = crd.apply_defaults(json.loads(json.dumps(rc))) if hasattr(crd, "apply_defaults") else rc
+        rc["metadata"].update(uid="u-1", namespace="ml")
+        pod = fake_kuberay.build_pod(rc, head=False, group=g, replica=0, replica_name="tpu-abcde", host=0,
+                                     token_secret="golden-tpulaunch-token")
+        mutated = tpu.webhook_mutate(tpu.tolerate_extended_resources(pod))
+        env_names = [e["name"] for e in mutated["spec"]["containers"][0]["env"]]
+        assert "TPU_NAME" in env_names and "TPU_WORKER_ID" in env_names
+        assert "MEGASCALE_NUM_SLICES" not in env_names  # the plan sets MEGASCALE_*, per attempt
+    sel = got["v5p-2x2x2-x2-spot"]["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert sel["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+                                   "cloud.google.com/gke-tpu-topology": "2x2x2", "cloud.google.com/gke-spot": "true"}
+    assert got["v6e-16x16"]["spec"]["workerGroupSpecs"][0]["numOfHosts"] == 64
+    assert got["v6e-2x4-two-vms"]["spec"]["workerGroupSpecs"][0]["numOfHosts"] == 2
+    assert got["v5e-2x4-one-vm"]["spec"]["workerGroupSpecs"][0]["numOfHosts"] == 1
+    ironwood = got["tpu7x-2x2x2-policy"]["spec"]["workerGroupSpecs"][0]["template"]["spec"]["nodeSelector"]
+    assert ironwood["cloud.google.com/placement-policy-name"] == "wp-ironwood"
+
+
+def test_a_typo_in_a_manifest_is_what_the_crd_check_catches():
+    rc = json.loads(GOLDEN.read_text())["v5p-4x4x4"]
+    rc["spec"]["workerGroupSpecs"][0]["numOfHost"] = rc["spec"]["workerGroupSpecs"][0].pop("numOfHosts")
+    assert any("numOfHost" in e and "unknown field" in e for e in crd.validate(rc)), crd.validate(rc)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_no_kubeconfig_and_no_pod_is_one_line(tmp_path):
+    env = cli_env(tmp_path / "home")
+    env.pop("KUBECONFIG", None)
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    assert "no kubeconfig (--kubeconfig, KUBECONFIG, ~/.kube/config) and not in a pod" in one_line(
+        invoke("slice", "list", "--gke", env=env), ExitCode.DISCOVERY)
+    assert "--kubeconfig /nope is not a file" in one_line(
+        invoke("slice", "list", "--gke", "--kubeconfig", "/nope", env=env), ExitCode.DISCOVERY)
+
+
+def test_a_context_the_kubeconfig_lacks_is_one_line(env):
+    line = one_line(invoke("slice", "list", "--gke", "--context", "prod", env=env), ExitCode.DISCOVERY)
+    assert "the kubeconfig cannot be used" in line and "prod" in line
+
+
+def test_an_unreachable_api_is_one_line(api, tmp_path):
+    server, _store, kubeconfig, _home = api
+    cfg = json.loads(Path(kubeconfig).read_text())
+    cfg["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{closed_port()}"
+    dead = tmp_path / "dead-kubeconfig"
+    dead.write_text(json.dumps(cfg))
+    line = one_line(invoke("slice", "list", "--gke", env=cli_env(tmp_path / "h", KUBECONFIG=str(dead))),
+                    ExitCode.DISCOVERY)
+    assert "cannot be reached: connection refused" in line
+
+
+def test_rbac_forbidden_names_the_verb_and_resource_to_ask_for(api, env):
+    server = api[0]
+    server.deny("admin", "list", "nodes")
+    try:
+        line = one_line(invoke("slice", "list", "--gke", env=env), ExitCode.DISCOVERY)
+    finally:
+        server.allow("admin", "list", "nodes")
+    assert "forbidden by RBAC" in line and "ask your cluster admin for 'list' on nodes" in line
+
+
+def test_kuberays_crd_missing_is_one_line(api, env):
+    server = api[0]
+    server.set_served("ray.io/v1", False)
+    try:
+        line = one_line(invoke("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--image", "i",
+                               env=env), ExitCode.CLUSTER)
+    finally:
+        server.set_served("ray.io/v1", True)
+    assert "KubeRay's CRD is not installed" in line and "RayOperator" in line
+
+
+def test_no_node_pool_of_the_shape_is_one_line_naming_what_is_there(env):
+    line = one_line(invoke("cluster", "up", "--gke", "--topology", "4x4x4", "--accelerator", "v5p", "--image", "i",
+                           env=env), ExitCode.DISCOVERY)
+    assert "no room for 1 node pool(s) of v5p 4x4x4" in line and "v5p-16: v5p 2x2x2" in line
+    # the pool is there, but not spot: the capacity kind matters
+    line = one_line(invoke("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v4", "--spot",
+                           "--image", "i", env=env), ExitCode.DISCOVERY)
+    assert "(spot)" in line
+
+
+def test_a_raycluster_of_that_name_not_made_by_tpulaunch_is_refused_and_untouched(api, env):
+    store = api[1]
+    theirs = json.loads(GOLDEN.read_text())["v5p-2x2x2-x2-spot"]
+    theirs["metadata"] = {"name": "theirs", "namespace": "default"}
+    store.create("rayclusters", theirs)
+    try:
+        line = one_line(invoke("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--spot",
+                               "--image", "i", "--name", "theirs", env=env), ExitCode.CLUSTER)
+        assert "tpulaunch did not make it" in line and "--join theirs" in line
+        assert store.get("rayclusters", "default", "theirs")["metadata"].get("labels") is None
+    finally:
+        store.delete("rayclusters", "default", "theirs")
+
+
+@pytest.mark.parametrize("args,why", [
+    (("--name", "Bad_Name"), "is not a RayCluster name"),
+    (("--namespace", "NS!"), "is not a namespace name"),
+    (("--accelerator", "v3"), "not offered on GKE"),
+    (("--chips-per-host", "8"), "no GKE machine type of v5p has 8 chips"),
+    (("--num-slices", "1000000000"), "is not a number of slices from 1 to 1024"),
+])
+def test_a_bad_flag_is_one_line_and_exit_2(env, args, why):
+    base = {"--topology": "2x2x2", "--accelerator": "v5p", "--image": "i"}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    flat = [x for kv in base.items() for x in kv]
+    assert why in one_line(invoke("cluster", "up", "--gke", *flat, "--dry-run", env=env), ExitCode.USAGE)
+
+
+def test_no_image_says_how_to_build_one(env):
+    line = one_line(invoke("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--dry-run",
+                           env=env), ExitCode.USAGE)
+    assert "--image is needed" in line and "pip install tpulaunch==0.1.0" in line
+
+
+def test_joining_a_raycluster_that_is_not_there_is_one_line(env):
+    assert "no RayCluster named ghost" in one_line(invoke("cluster", "up", "--gke", "--join", "ghost", env=env),
+                                                   ExitCode.CLUSTER)
