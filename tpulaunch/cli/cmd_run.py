@@ -200,6 +200,11 @@ def run_cmd(
                                   help="With --max-preemptions on a `cluster up --tpu NAME --head local` cluster: a"
                                        " preempted slice is deleted, created again from its queued resource, set up"
                                        " and joined, then the run goes on (within --preemption-wait)."),
+    replace_hung: bool = typer.Option(False, "--replace-hung",
+                                      help="When a run stalls (--stall-timeout), replace the slices of the hosts that"
+                                           " caused the hang (a spare slice, or re-created, or dropped under"
+                                           " --min-slices) and restart from the checkpoint (counts against"
+                                           " --max-restarts)."),
     preemption_wait: float = opt.PREEMPTION_WAIT,
     preemption_grace: float = opt.PREEMPTION_GRACE,
     compile_cache: Optional[str] = typer.Option(
@@ -261,7 +266,7 @@ def run_cmd(
         distributed=not no_dist, log_dir=log_dir, workdir=workdir, schedule_timeout=schedule_timeout,
         max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout, max_restarts=max_restarts,
         max_preemptions=max_preemptions, preemption_wait=preemption_wait, preemption_grace=preemption_grace,
-        recreate=recreate, cpu_devices=cpu_devices,
+        recreate=recreate, cpu_devices=cpu_devices, replace_hung=replace_hung,
         keep_cluster=keep_cluster, idle_timeout=idle_timeout, compile_cache=compile_cache,
         no_compile_cache=no_compile_cache, python=python, min_slices=min_slices, grow_after=grow_after,
     )

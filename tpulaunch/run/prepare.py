@@ -87,6 +87,7 @@ class LaunchRequest:
     preemption_wait: float = 600.0  # how long to wait for the slice to be whole again
     preemption_grace: float = 30.0  # a preempted script's time between SIGTERM and SIGKILL
     recreate: bool = False  # a preempted slice is made again through the Cloud TPU API (`run.recreate`)
+    replace_hung: bool = False  # a hang's culprit slices are replaced (a spare, re-created, or dropped) and the run restarts
     compile_cache: str | None = None  # persistent compilation cache dir; None: the default one
     no_compile_cache: bool = False
     python: str | None = None  # the interpreter each host runs the script with (its own environment)
