@@ -19,7 +19,14 @@ from tpulaunch.cli.output import Output
 from tpulaunch.errors import ClusterError, ExitCode, TpulaunchError
 
 ADDRESS = typer.Option("auto", "--address", help="The cluster: auto (recorded here), HOST:PORT, or http://DASHBOARD.")
-RUN = typer.Argument(..., metavar="RUN", help="A run id, or `last`.")
+def _run_id(value: str) -> str:
+    """RUN is checked before any cluster is asked: an empty or malformed id is a bad value (exit 2)."""
+    from tpulaunch.run.detached import check_run_id
+
+    return check_run_id(value)
+
+
+RUN = typer.Argument(..., metavar="RUN", help="A run id, or `last`.", callback=_run_id)
 
 
 def _api(address: str):  # noqa: ANN202 - (JobApi, ClusterInfo)

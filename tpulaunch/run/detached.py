@@ -293,8 +293,17 @@ def runs(api: JobApi) -> list[JobInfo]:
     return sorted(mine, key=lambda j: (j.start_time or 0.0, j.submission_id))
 
 
+def check_run_id(run: str) -> str:
+    """A RUN argument: a run id (what `run --detach` printed) or `last`; one line, exit 2, otherwise."""
+    if not run.strip() or len(run) > 200 or not re.fullmatch(r"[A-Za-z0-9_.:-]+", run):
+        shown = repr(run[:40]) + ("..." if len(run) > 40 else "")
+        raise LaunchError(f"RUN {shown} is not a run id", "give the id `run --detach` printed, or last")
+    return run
+
+
 def find(api: JobApi, run: str) -> JobInfo:
     """`RUN`: a run id, or `last` (the newest run on the cluster)."""
+    check_run_id(run)
     if run == "last":
         mine = runs(api)
         if not mine:
