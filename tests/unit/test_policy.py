@@ -19,11 +19,30 @@ LOST = attempt(Outcome.LOST, 75, Cause.NODE_LOST)
 PREEMPTED = attempt(Outcome.PREEMPTED, 75, Cause.PREEMPTED)
 HEAD = attempt(Outcome.LOST, 75, Cause.HEAD_LOST)
 
+
+def _hung(culprits: tuple[int, ...], slices: tuple[int, ...]) -> Attempt:
+    from tpulaunch.run.hang import Hang
+
+    a = attempt(Outcome.STALLED, 124)
+    a.hang = Hang({}, culprits, "load_batch (t.py:3)", "all_reduce (c10d.py:9)", "hang: ...", slices)
+    return a
+
+
+HUNG = _hung((3,), (1,))
+HUNG_NO_CULPRIT = _hung((), ())  # every host waits in the collective: nothing to replace
+
 CASES = [
     # (attempt, budgets, spent) -> (action, spent after, why contains)
     (attempt(Outcome.OK), Budgets(3, 3), Spent(), Action.FINISH, Spent(), None),
     (attempt(Outcome.TIMEOUT, 124), Budgets(3, 3), Spent(), Action.FINISH, Spent(), None),
-    (attempt(Outcome.STALLED, 124), Budgets(3, 3), Spent(), Action.FINISH, Spent(), None),
+    # a stall: a restart while --max-restarts allows; its culprits' slices replaced first with --replace-hung
+    (attempt(Outcome.STALLED, 124), Budgets(0, 3), Spent(), Action.FINISH, Spent(), None),
+    (attempt(Outcome.STALLED, 124), Budgets(3, 3), Spent(), Action.RESTART, Spent(restarts=1), None),
+    (attempt(Outcome.STALLED, 124), Budgets(1), Spent(restarts=1), Action.FINISH, Spent(restarts=1),
+     "--max-restarts 1 spent"),
+    (HUNG, Budgets(1, replace_hung=True), Spent(), Action.REPLACE, Spent(restarts=1), None),
+    (HUNG, Budgets(1), Spent(), Action.RESTART, Spent(restarts=1), None),  # without --replace-hung
+    (HUNG_NO_CULPRIT, Budgets(1, replace_hung=True), Spent(), Action.RESTART, Spent(restarts=1), None),
     (attempt(Outcome.INTERRUPTED, 130), Budgets(3, 3), Spent(), Action.FINISH, Spent(), None),
     (FAILED3, Budgets(), Spent(), Action.FINISH, Spent(), None),  # no budget: nothing to say
     (FAILED3, Budgets(max_restarts=1), Spent(), Action.RESTART, Spent(restarts=1), None),

@@ -60,6 +60,10 @@ def up(
                                              " -r requirements.txt'); again on re-created VMs."),
     setup_script: Optional[Path] = typer.Option(None, "--setup-script", metavar="FILE",
                                                 help="--tpu: like --setup, a script file read here."),
+    spare_slices: int = typer.Option(0, "--spare-slices", metavar="K", min=0, max=64,
+                                     help="K more slices of the same shape, joined and warm, held in reserve: one takes"
+                                          " a lost (or hung) slice's place in a run at once, and the lost one comes back"
+                                          " as the spare."),
     gke: bool = typer.Option(False, "--gke", help="A KubeRay RayCluster on GKE's TPU node pools (with --topology,"
                                                   " --accelerator, --image; or --join NAME)."),
     image: Optional[str] = typer.Option(None, "--image", help="--gke: the image every pod runs (with this tpulaunch and"
@@ -96,6 +100,9 @@ def up(
         target = KubeTarget(kubeconfig, context, namespace)
         _refuse_if_up(gke=True, name=join_name or ("tpulaunch" if name == "emulated" else name))
         if join_name:
+            if spare_slices:
+                raise LaunchError(f"--spare-slices with --join {join_name}: a joined cluster is not tpulaunch's to add"
+                                  " slices to", "drop --spare-slices, or bring up a cluster of tpulaunch's own")
             info = gke_provider.join(target, join_name, lambda msg: out.info(msg))
         else:
             if not topology or not accelerator:
@@ -104,7 +111,7 @@ def up(
                 raise LaunchError(f"--timeout {timeout:g} is not a positive number of seconds", "e.g. --timeout 900")
             req = gke_provider.UpRequest(target, "tpulaunch" if name == "emulated" else name, topology, accelerator,
                                          num_slices or 1, chips_per_host, spot, image, placement_policy, head_cpu,
-                                         head_memory, timeout)
+                                         head_memory, timeout, spare_slices)
             if dry_run:
                 doc = gke_provider.dry_run(req)
                 if json_out:
@@ -132,7 +139,7 @@ def up(
     if tpu:
         remote.up_remote(out, tpu, zone, project, port=port, python=remote_python, temp_dir=ray_temp_dir,
                          dashboard=dashboard, topology=topology, accelerator=accelerator, json_out=json_out,
-                         head=head, head_ip=head_ip, setup=script)
+                         head=head, head_ip=head_ip, setup=script, spare_slices=spare_slices)
         return
     if script:
         raise LaunchError("--setup and --setup-script are for TPU VMs (--tpu)", "emulated hosts share this machine")
@@ -148,7 +155,8 @@ def up(
     req = discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
                                 num_slices=num_slices, name=name)
     topo = topo_mod.resolve(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host)
-    resolved = discover.emulated_slices(topo, discover.request_num_slices(req), name)
+    wanted = discover.request_num_slices(req)
+    resolved = discover.emulated_slices(topo, wanted + spare_slices, name)
     t = resolved.topology
     with out.status(f"starting {len(resolved.slices) * t.num_hosts} emulated host node(s) ...") as st:
         def progress(msg: str) -> None:
@@ -160,6 +168,7 @@ def up(
         # Other drivers (Ray Train) may use this cluster: their workers' output must reach them.
         info = emulated.start_emulated(list(resolved.slices), t, dashboard=dashboard, log_monitor=True,
                                        progress=progress)
+        info.spares = [s.name for s in resolved.slices[wanted:]]  # the last K: in reserve
         save_record(info)
         if prewarm != "none":
             from tpulaunch.run.warm import prewarm_cluster
@@ -172,9 +181,10 @@ def up(
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": True,
                   "slices": [s.to_dict() for s in info.slices], "token_path": info.token_path,
-                  "dashboard": info.dashboard})
+                  "dashboard": info.dashboard, "spares": list(info.spares)})
     else:
-        out.warn(f"EMULATED cluster: {len(resolved.slices)} x {t.accelerator_type} ({t.topology}) on this machine")
+        out.warn(f"EMULATED cluster: {len(resolved.slices)} x {t.accelerator_type} ({t.topology}) on this machine"
+                 + (f", {spare_slices} of them spare ({', '.join(info.spares)})" if spare_slices else ""))
         out.line(f"cluster up at {info.address} (token auth on; token in {info.token_path})")
 
 
@@ -203,7 +213,14 @@ def _refuse_if_up(gke: bool, name: str | None = None) -> None:
 def _status_doc(info: ClusterInfo) -> dict:
     from tpulaunch import providers
 
-    return providers.of(info).status()
+    provider = providers.of(info)
+    doc = provider.status()
+    spares = set(provider.spares())
+    doc["spares"] = sorted(spares)
+    for s in doc["slices"]:
+        s["spare"] = s["name"] in spares
+    doc["not_whole"] = provider.not_whole(doc)
+    return doc
 
 
 @cluster_app.command("status")
@@ -219,15 +236,20 @@ def status(
     if json_out:
         out.json(doc)
         return
-    out.line(f"cluster {doc['address']}" + (" (EMULATED)" if doc["emulated"] else ""))
+    out.line(f"cluster {doc['address']}" + (" (EMULATED)" if doc["emulated"] else "")
+             + (f"; spare slice(s): {', '.join(doc['spares'])}" if doc["spares"] else ""))
+    for name, why in doc.get("not_whole", {}).items():
+        out.warn(f"slice {name}: {why}: `tpulaunch cluster repair` brings it back")
     table = Table()
     for col in ("slice", "type", "topology", "worker", "alive", "busy", "node"):
         table.add_column(col)
+    spare_names = set(doc["spares"])
     for s in doc["slices"]:
         if s.get("maintenance_at"):
             out.warn(f"slice {s['name']}: host maintenance scheduled at {s['maintenance_at']} (node pool {s.get('node_pool')})")
         for h in s["hosts"]:
-            row = [s["name"], s["pod_type"] or "", s["topology"] or "", str(h["worker_id"]),
+            row = [s["name"] + (" (spare)" if s["name"] in spare_names else ""), s["pod_type"] or "", s["topology"] or "",
+                   str(h["worker_id"]),
                    "yes" if h["alive"] else "NO", "?" if h["busy"] is None else "yes" if h["busy"] else "no",
                    h["node_ip"] or ""]
             if out.rich:
@@ -259,6 +281,34 @@ def env(
         return
     # Plain text, never rich markup: this is shell code.
     typer.echo("".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items()), nl=False)
+
+
+@cluster_app.command("repair")
+def repair(
+    timeout: float = typer.Option(1800.0, "--timeout", metavar="SECONDS",
+                                  help="Wait this long for the slices to be made again and joined."),
+    json_out: bool = opt.JSON,
+) -> None:
+    """Bring back every slice of the recorded cluster that is not whole in Ray.
+
+    A re-creation belongs to the cluster, not to the run that started it: a slice a stopped run was
+    making again (its queued resource still waiting for capacity), a preempted spot slice no run
+    was there to bring back, an emulated host whose node went. Hosts already in Ray are left alone.
+    """
+    from tpulaunch import providers
+
+    out = Output(json_mode=json_out)
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise LaunchError(f"--timeout {timeout:g} is not a positive number of seconds", "e.g. --timeout 1800")
+    rec = load_record()
+    if rec is None:
+        raise ClusterError("no cluster is recorded as up", "`tpulaunch cluster up` starts one")
+    with out.status(f"checking the slices of the cluster at {rec.address} ...") as st:
+        repaired = providers.of(rec).repair(timeout, _say(out, st))
+    if json_out:
+        out.json({"schema": "tpulaunch.cluster-repair/v1", "address": rec.address, "repaired": repaired})
+    else:
+        out.line(f"repaired {', '.join(repaired)}" if repaired else "every slice is whole: nothing to repair")
 
 
 @cluster_app.command("down")

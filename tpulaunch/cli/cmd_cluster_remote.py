@@ -90,7 +90,8 @@ def setup_text(command: str | None, script: Path | None) -> str | None:
 
 def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | None, *, port: int, python: str,
               temp_dir: str | None, dashboard: bool, topology: str | None, accelerator: str | None,
-              json_out: bool, head: str = "worker-0", head_ip: str | None = None, setup: str | None = None) -> None:
+              json_out: bool, head: str = "worker-0", head_ip: str | None = None, setup: str | None = None,
+              spare_slices: int = 0) -> None:
     """Ray on the workers of one TPU or several (a multislice cluster: one head off the slices,
     every slice's workers joined to it)."""
     from tpulaunch import discover
@@ -111,6 +112,10 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
     for spec in specs:
         discover.check_matches(spec, topology, accelerator)
         discover.check_ready(spec, force=False)
+    if spare_slices and head != "local":
+        raise TpulaunchError("--spare-slices with the Ray head on worker 0: a spare steps in when a slice is lost, and"
+                             " the head would be lost with its slice", "add --head local")
+    spares, made = _spare_slices(out, specs[0], spare_slices, rec)
     if rec is not None and rec.remote and (list(rec.remote.tpus), rec.remote.zone, rec.remote.project) != (
             [s.name for s in specs], specs[0].zone, specs[0].project):
         raise ClusterError(f"a cluster on TPU {', '.join(rec.remote.tpus)} is recorded as up",
@@ -125,21 +130,53 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
             ip = head_ip or route_ip(specs[0].workers[0].ip)
             local = LocalHead(ip=ip, temp_dir="", dashboard_port=free_port(), python=sys.executable)
     setup = setup if setup is not None else (rec.remote.setup if rec and rec.remote else None)
-    cluster = RemoteCluster.new(specs, port=port, temp_dir=temp_dir, python=python, dashboard=dashboard, head=local,
-                                setup=setup, home=state_dir())
-    n = sum(len(s.workers) for s in specs)
-    with out.status(f"bringing up Ray on {n} host(s) of {', '.join(tpus)} ...") as st:
-        progress = HostProgress(out, st, {s.name: len(s.workers) for s in specs})
+    cluster = RemoteCluster.new([*specs, *spares], port=port, temp_dir=temp_dir, python=python, dashboard=dashboard,
+                                head=local, setup=setup, home=state_dir())
+    everything = [*specs, *spares]
+    n = sum(len(s.workers) for s in everything)
+    with out.status(f"bringing up Ray on {n} host(s) of {', '.join(s.name for s in everything)} ...") as st:
+        progress = HostProgress(out, st, {s.name: len(s.workers) for s in everything})
         info = cluster.up(progress.for_slice, before=rec)
+    from dataclasses import replace as _replace
+
+    assert info.remote is not None
+    info.remote = _replace(info.remote, made=tuple(made))
+    info.spares = [s.name for s in spares] if spares else (list(rec.spares) if rec is not None and rec.remote else [])
     save_record(info)
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,
                   "slices": [s.to_dict() for s in info.slices], "token_path": info.token_path,
-                  "remote": info.remote.to_dict()})
+                  "remote": info.remote.to_dict(), "spares": list(info.spares)})
     else:
         where = "the head here (off the slice)" if local else "the head on worker 0"
         what = ", ".join(f"{s.name} ({s.accelerator_type}, {len(s.workers)} hosts)" for s in specs)
         out.line(f"cluster up at {info.address} on TPU {what}; {where}; token auth on; token in {info.token_path}")
+
+
+def _spare_slices(out: Output, like: "SliceSpec", k: int, rec: "ClusterInfo | None") -> tuple[list, list[str]]:  # noqa: F821
+    """K slices of `like`'s shape made through queued resources (`<first>-spare-<i>`, the same tier and
+    runtime), waited for until ACTIVE: (their specs, the queued resources made). Spares a record of
+    this cluster already has are kept, not made again."""
+    if not k:
+        return [], list(rec.remote.made) if rec is not None and rec.remote else []
+    from tpulaunch import discover
+    from tpulaunch.provision import capacity
+
+    have = list(rec.spares) if rec is not None and rec.remote else []
+    made = list(rec.remote.made) if rec is not None and rec.remote else []
+    specs = []
+    for i in range(k):
+        name = f"{like.name}-spare-{i}"
+        if name not in have:
+            order = capacity.check_order(capacity.SliceOrder(
+                name=name, project=like.project or "", zone=like.zone or "", accelerator_type=like.accelerator_type,
+                tier="spot" if like.spot else "on-demand", runtime_version=like.runtime_version))
+            with out.status(f"making spare slice {name} ({order.accelerator_type}, {order.tier}) ..."):
+                capacity.create(order)
+                made.append(name)
+                capacity.wait_active(order.project, order.zone, name, 1800.0)
+        specs.append(discover.describe_node(name, zone=like.zone, project=like.project))
+    return specs, made
 
 
 def register(cluster_app: typer.Typer) -> None:

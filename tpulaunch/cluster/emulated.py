@@ -303,6 +303,25 @@ def restart_hosts(info: ClusterInfo, topology: Topology, missing: list[tuple[str
                         for k, (name, worker) in enumerate(missing)])
 
 
+def stop_hosts(info: ClusterInfo, hosts: list[tuple[str, int]], grace_s: float = 1.0) -> int:
+    """Stop the Ray nodes (and all below them: agents, host processes) of these emulated hosts
+    `(slice name, worker id)`, as a TPU VM taken out of the fleet goes; how many processes ran."""
+    assert info.cluster_id
+    want = {f"TPU_NAME={name}\0TPU_WORKER_ID={w}" for name, w in hosts}
+    tops = []
+    for pid in ownership.cluster_pids(info.cluster_id):
+        env = procfs.Process(pid).environ().split(b"\0")
+        name = next((e[9:].decode() for e in env if e.startswith(b"TPU_NAME=")), None)
+        worker = next((e[14:].decode() for e in env if e.startswith(b"TPU_WORKER_ID=")), None)
+        if name is not None and f"TPU_NAME={name}\0TPU_WORKER_ID={worker}" in want:
+            tops.append(pid)
+    pids = ownership.below(tops, procfs.children_map()) if tops else []
+    seen = set(pids)
+    procfs.stop(lambda: [p for p in seen if procfs.alive(p)], grace_s)
+    procfs.reap(seen)
+    return len(seen)
+
+
 def stop_cluster(info: ClusterInfo, grace_s: float = 1.0, record: str = "(in memory)") -> int:
     """Stop every process of an emulated cluster and remove its temp dir; returns how many ran.
 

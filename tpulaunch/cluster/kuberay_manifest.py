@@ -32,6 +32,7 @@ MANAGED_BY = "app.kubernetes.io/managed-by"
 CLUSTER_LABEL = "tpulaunch.dev/cluster"
 ID_LABEL = "tpulaunch.dev/cluster-id"
 VERSION_ANNOTATION = "tpulaunch.dev/version"
+SPARES_ANNOTATION = "tpulaunch.dev/spares"  # JSON list of the replicas held in reserve (the supervisor updates it)
 GROUP = "tpu"  # the TPU worker group: slices are `tpu-0`, `tpu-1`, ... (the webhook's TPU_NAME)
 DASHBOARD_PORT, GCS_PORT, CLIENT_PORT = 8265, 6379, 10001
 MEGASCALE_PORT = 8081
@@ -53,6 +54,15 @@ class GkeClusterRequest:
     placement_policy: str | None = None
     head_cpu: str = "2"
     head_memory: str = "8Gi"
+    spare_slices: int = 0  # replicas more than the slices, held in reserve (the last ones)
+
+    @property
+    def replicas(self) -> int:
+        return self.num_slices + self.spare_slices
+
+    @property
+    def spares(self) -> list[str]:
+        return [f"{GROUP}-{r}" for r in range(self.num_slices, self.replicas)]
 
     @property
     def service_account(self) -> str:
@@ -83,7 +93,7 @@ def raycluster(req: GkeClusterRequest) -> dict:
         node_selector[gke.PLACEMENT_POLICY_LABEL] = req.placement_policy
     chips = str(shape.chips_per_vm)
     common_env = [{"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]
-    worker_ports = [{"containerPort": MEGASCALE_PORT, "name": "mxla"}] if req.num_slices > 1 else []
+    worker_ports = [{"containerPort": MEGASCALE_PORT, "name": "mxla"}] if req.replicas > 1 else []
     worker_spec: dict = {
         "nodeSelector": node_selector,
         "containers": [{
@@ -97,6 +107,10 @@ def raycluster(req: GkeClusterRequest) -> dict:
     meta = _meta(req, req.name)
     meta["annotations"] = {VERSION_ANNOTATION: req.tpulaunch_version, "tpulaunch.dev/accelerator": topo.accelerator_type,
                            "tpulaunch.dev/topology": topo.topology, "tpulaunch.dev/chips-per-vm": chips}
+    if req.spare_slices:
+        import json
+
+        meta["annotations"][SPARES_ANNOTATION] = json.dumps(req.spares)
     return {
         "apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": meta,
         "spec": {
@@ -125,7 +139,7 @@ def raycluster(req: GkeClusterRequest) -> dict:
             },
             "workerGroupSpecs": [{
                 "groupName": GROUP,
-                "replicas": req.num_slices, "minReplicas": req.num_slices, "maxReplicas": req.num_slices,
+                "replicas": req.replicas, "minReplicas": req.replicas, "maxReplicas": req.replicas,
                 "numOfHosts": shape.hosts,
                 "rayStartParams": {},
                 "template": {"metadata": {"labels": _labels(req)}, "spec": worker_spec},
@@ -150,7 +164,7 @@ def supervisor_rbac(req: GkeClusterRequest) -> list[dict]:
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(req, sa)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(req, sa),
          "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-                   {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch"]}]},
+                   {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch", "patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(req, sa),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
          "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": req.namespace}]},

@@ -88,6 +88,7 @@ class RemoteSpec:
     head_ip: str | None = None  # head "local": its address, as the workers reach it
     dashboard_port: int | None = None  # head "local": its job API
     head_python: str | None = None  # head "local": the interpreter its supervisors run with
+    made: tuple[str, ...] = ()  # the queued resources `cluster up` made (spare slices): `cluster down` deletes them
 
     @property
     def tpu(self) -> str:
@@ -101,6 +102,7 @@ class RemoteSpec:
         doc = asdict(self)
         doc["tpus"] = list(self.tpus)
         doc["tpu"] = self.tpu  # what records and `--json` before the schema named the first TPU
+        doc["made"] = list(self.made)
         return doc
 
     @staticmethod
@@ -115,7 +117,8 @@ class RemoteSpec:
             raise ValueError("head")
         spec = RemoteSpec(tuple(tpus), _str(d["zone"]), _str(d["project"]), _int(d["port"]), _str(d["temp_dir"]),
                           _str(d["python"]), head, _opt(d.get("setup"), str), _opt(d.get("head_ip"), str),
-                          _opt(d.get("dashboard_port"), int), _opt(d.get("head_python"), str))
+                          _opt(d.get("dashboard_port"), int), _opt(d.get("head_python"), str),
+                          tuple(_str(m) for m in d.get("made") or ()))
         if spec.head_here and (spec.head_ip is None or spec.dashboard_port is None):
             raise ValueError("a local head with no address")
         return spec
@@ -189,6 +192,7 @@ class ClusterInfo:
     cluster_id: str | None = None  # the id its temp dir's marker and its processes carry (`ownership`)
     dashboard: str | None = None  # host:port of its dashboard (the job API), if it runs one
     gke: GkeSpec | None = None  # a cluster on GKE (KubeRay): where it is; None otherwise
+    spares: list[str] = field(default_factory=list)  # slices held in reserve: never a run's capacity until one is lost
 
     @property
     def running_here(self) -> bool:
@@ -226,7 +230,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "address": (str,), "temp_dir": (str, type(None)), "token_path": (str, type(None)), "emulated": (bool,),
     "slices": (list,), "created": (int, float), "remote": (dict, type(None)), "kept": (bool,),
     "idle_timeout": (int, float, type(None)), "log_monitor": (bool,), "cluster_id": (str, type(None)),
-    "dashboard": (str, type(None)), "gke": (dict, type(None)),
+    "dashboard": (str, type(None)), "gke": (dict, type(None)), "spares": (list,),
 }
 
 
@@ -302,6 +306,8 @@ def load_record(path: Path | None = None) -> ClusterInfo | None:
     except (KeyError, TypeError, ValueError) as e:
         raise StateError(f"cluster record {p}: field 'gke' is not a cluster on GKE ({type(e).__name__}: {e})"[:300],
                          _FORCE_HINT) from None
+    if not all(isinstance(x, str) for x in fields_.get("spares", [])):
+        raise StateError(f"cluster record {p}: field 'spares' holds something other than slice names", _FORCE_HINT)
     if fields_["remote"] is not None and not fields_["slices"]:
         raise StateError(f"cluster record {p}: a cluster on TPUs with no slices", _FORCE_HINT)
     return ClusterInfo(**fields_)

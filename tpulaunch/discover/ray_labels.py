@@ -101,7 +101,9 @@ def choose(
                            f"slices there: {', '.join(s.name for s in slices)}")
     if len(fits) < num_slices:
         asked = f"{num_slices} x {want.accelerator_type}" if want else f"{num_slices} slice(s)"
+        lost = any("hosts alive" in r for r in reasons)
         raise ClusterError(f"no free slice fits {asked}: " + "; ".join(reasons or ["none"]),
+                           "`tpulaunch cluster repair` brings a slice's lost hosts back" if lost else
                            "wait for the busy run, or change --topology/--accelerator/--tpu")
     return fits[:num_slices]
 

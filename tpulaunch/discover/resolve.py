@@ -61,6 +61,7 @@ class ClusterSlices:
     emulated: bool
     slices: tuple[SliceSpec, ...] = ()
     ray_slices: tuple = ()  # tuple[ray_labels.RaySlice, ...]
+    spares: tuple[str, ...] = ()  # spare slices: held in reserve, never chosen for a run
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ def _from_ray(req: SliceRequest, cluster: ClusterSlices) -> ResolvedSlices:
     want = None
     if req.topology or req.accelerator:
         want = topo_mod.resolve(topology=req.topology, accelerator=req.accelerator, chips_per_host=req.chips_per_host)
-    chosen = ray_labels.choose(list(cluster.ray_slices), want=want, tpu=req.tpu, num_slices=_wanted_slices(req))
+    pool = [s for s in cluster.ray_slices if s.name not in cluster.spares]
+    chosen = ray_labels.choose(pool, want=want, tpu=req.tpu, num_slices=_wanted_slices(req))
     specs = tuple(s.to_spec(i) for i, s in enumerate(chosen))
     return ResolvedSlices(specs[0].to_topology(req.chips_per_host), specs, False, "ray")
 

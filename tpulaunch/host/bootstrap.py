@@ -87,6 +87,11 @@ def boot(state: HostState, local_rank: int | None = None) -> dict[str, float]:
     What every host process does before user code, under `tpulaunch run` and in a Ray Train
     worker alike. Raises what the adapter raises; returns how long each phase took.
     """
+    from tpulaunch.plan.env import LIBTPU_OURS_ENV, libtpu_args
+
+    merged = libtpu_args(os.environ.pop(LIBTPU_OURS_ENV, None), os.environ.get("LIBTPU_INIT_ARGS"))
+    if merged:  # before the framework brings libtpu up: tpulaunch's hang flags, then the host's own
+        os.environ["LIBTPU_INIT_ARGS"] = merged
     fw = frameworks.get(state.framework)
     t0 = time.time()
     fw.preload()

@@ -83,6 +83,7 @@ class Job:
     # the hosts are this machine (an emulated cluster: shared files, ports chosen here). `emulated`
     # with `local` False: CPU devices stand in for the chips on a real cluster's hosts (`--cpu-devices`)
     local: bool = False
+    hang_s: float | None = None  # libtpu's Megascale hang threshold on real multislice hosts (--stall-timeout)
     emulation_env: Mapping[str, str] = field(default_factory=dict)  # the adapter's CPU emulation of a host
     user_env: Mapping[str, str] = field(default_factory=dict)  # --env, applied last
 

@@ -51,6 +51,23 @@ def read_at_import(name: str) -> bool:
 # attempt has after a shrink, and libtpu would wait for slices that never join: Ray's ray#62893).
 PLAN_MULTISLICE_ENV = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_PORT")
 
+# libtpu's own hang flags, which tpulaunch sets on real multislice hosts: a program a peer never
+# joins aborts (its HANG_DETECTED digest in the host's log, which stops the attempt and is triaged)
+# instead of waiting for ever. Put before the host's own LIBTPU_INIT_ARGS (the node's, or --env's),
+# where absl takes the last of a flag given twice: the user's word wins (`--megascale_abort_on_hangs=false`).
+LIBTPU_OURS_ENV = "TPULAUNCH_LIBTPU_INIT_ARGS"
+
+
+def megascale_hang_flags(threshold_s: float | None) -> str:
+    flags = "--megascale_abort_on_hangs=true"
+    return flags + (f" --megascale_graph_hang_threshold={max(1, int(threshold_s))}s" if threshold_s else "")
+
+
+def libtpu_args(ours: str | None, theirs: str | None) -> str | None:
+    """LIBTPU_INIT_ARGS with tpulaunch's flags first and the host's own after them (theirs win). Pure."""
+    parts = [p for p in ((ours or "").strip(), (theirs or "").strip()) if p]
+    return " ".join(parts) or None
+
 
 def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
     """(what stays from run to run on this host, what this run and attempt set). Disjoint; the
@@ -94,6 +111,8 @@ def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
     if ends.jax_address is not None:
         per_run["JAX_COORDINATOR_ADDRESS"] = ends.jax_address
         static.update({"JAX_NUM_PROCESSES": n, "JAX_PROCESS_ID": proc})
+    if state.num_slices > 1 and not job.emulated:
+        static[LIBTPU_OURS_ENV] = megascale_hang_flags(job.hang_s)
     if state.num_slices > 1:
         static.update({
             "MEGASCALE_COORDINATOR_ADDRESS": ends.host,

@@ -185,6 +185,20 @@ class LaunchPlan:
         return replace(self, job=job, slices=tuple(slices), hosts=_slots(slices, mesh.topology),
                        endpoints=replace(self.endpoints, host=slices[0].workers[0].ip))
 
+    def swapped(self, swaps: Mapping[str, SliceSpec]) -> "LaunchPlan":
+        """The same job with slices swapped for others of the same shape (a spare taking a lost one's
+        place): each new slice takes the old one's place (slice id, process indices), and every host
+        slot and the meeting place follow its hosts. Pure."""
+        slices = []
+        for s in self.slices:
+            new = swaps.get(s.name)
+            if new is not None and len(new.workers) != len(s.workers):
+                raise LaunchError(f"internal: spare {new.name} has {len(new.workers)} hosts, slice {s.name}"
+                                  f" {len(s.workers)}", "report this bug")
+            slices.append(replace(new, slice_index=s.slice_index) if new is not None else s)
+        return replace(self, slices=tuple(slices), hosts=_slots(slices, self.topology),
+                       endpoints=replace(self.endpoints, host=slices[0].workers[0].ip))
+
     def on_slices(self, slices: list[SliceSpec]) -> "LaunchPlan":
         """The same job on these slices (a re-created slice: same name and shape, new VMs and
         addresses): every host slot and the meeting place follow the new addresses. Pure."""
@@ -251,6 +265,7 @@ def build_plan(
     compile_cache: str | None = None,
     python: str | None = None,
     local: bool | None = None,
+    hang_s: float | None = None,
 ) -> LaunchPlan:
     """Plan a launch: one HostSlot per TPU host of every slice, meeting on slice 0's worker 0.
 
@@ -276,7 +291,7 @@ def build_plan(
         distributed=distributed, metadata_server=metadata_server, log_dir=log_dir, workdir=workdir,
         command=tuple(command), compile_cache=compile_cache, python=python,
         emulation_env=dict(emulation_env or {}) if emulated else {}, user_env=dict(user_env or {}),
-        local=emulated if local is None else local,
+        local=emulated if local is None else local, hang_s=hang_s,
     )
     endpoints = Endpoints(
         host=slices[0].workers[0].ip, master_port=coordinator_port, group_port=group_port,

@@ -82,6 +82,20 @@ class Provider:
         """What a detached run's supervisor on the head needs to find this provider there."""
         return {}
 
+    # -- spare slices ---------------------------------------------------------------------------------
+
+    def spares(self) -> list[str]:
+        """The cluster's spare slices (joined to Ray, held in reserve), as its record keeps them."""
+        return list(self.info.spares) if self.info is not None else []
+
+    def swap(self, lost: str, spare: str) -> None:
+        """`spare` takes `lost`'s place in the runs; `lost`, once back, is the spare: the record says so."""
+        from tpulaunch.cluster.record import save_record
+
+        self.info.spares = [lost if s == spare else s for s in self.info.spares]
+        if self.info.remote is not None or (self.info.emulated and self.info.cluster_id):
+            save_record(self.info)
+
     # -- what it holds, and its end ------------------------------------------------------------------
 
     def status(self) -> dict:
@@ -102,6 +116,30 @@ class Provider:
 
         raise ClusterError(f"the cluster at {self.info.address} was not started by tpulaunch here",
                            "stop it where it was started")
+
+    def not_whole(self, status: dict | None = None) -> dict[str, str]:
+        """The cluster's slices not whole in Ray now: name -> how many of its hosts are (from `status`)."""
+        doc = status if status is not None else self.status()
+        seen = {s["name"]: s for s in doc.get("slices", [])}
+        out = {}
+        for spec in self.info.slices:
+            hosts = (seen.get(spec.name) or {}).get("hosts") or []
+            alive = sum(1 for h in hosts if h.get("alive"))
+            if alive < len(spec.workers):
+                out[spec.name] = f"{alive} of {len(spec.workers)} hosts in Ray"
+        return out
+
+    def repair(self, deadline_s: float, say: Say) -> list[str]:
+        """Bring back every slice of the cluster that is not whole (a re-creation a stopped run left
+        half done, a VM that went); the slices repaired. A re-creation belongs to the cluster, not
+        to the run that started it."""
+        missing = self.not_whole()
+        if not missing:
+            return []
+        for name, why in missing.items():
+            say(f"slice {name}: {why}: bringing it back")
+        self.bring_back(sorted(missing), deadline_s, say)
+        return sorted(missing)
 
     # -- recovery -----------------------------------------------------------------------------------
 
@@ -128,6 +166,15 @@ class Provider:
     def preempted_again(self, lost: list[str]) -> bool:
         """Were any of `lost` preempted again while they came back?"""
         return any(self.preempted(lost).values())
+
+    def replace_refusal(self) -> str | None:
+        """Why a slice of this cluster cannot be taken out and made again (`--replace-hung`). Pure."""
+        return "a cluster known only by its address cannot make a slice again"
+
+    def replace(self, names: list[str], why: str, deadline_s: float, say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
+        """Take these (healthy but hung) slices out and make them again: new hosts with the same
+        identity; (what was made, the cluster's slices now)."""
+        raise RejoinFailed(self.replace_refusal() or "not supported")
 
 
 def status_doc(info: ClusterInfo, found: list) -> dict:

@@ -60,6 +60,7 @@ class UpRequest:
     head_cpu: str = "2"
     head_memory: str = "8Gi"
     timeout_s: float = DEFAULT_TIMEOUT_S
+    spare_slices: int = 0
 
 
 def request_of(up: UpRequest, namespace: str, cluster_id: str) -> manifest.GkeClusterRequest:
@@ -70,6 +71,8 @@ def request_of(up: UpRequest, namespace: str, cluster_id: str) -> manifest.GkeCl
     kube_mod.check_namespace(namespace)
     if not 1 <= up.num_slices <= 1024:
         raise TpulaunchError(f"--num-slices {up.num_slices} is not a number of slices from 1 to 1024", "e.g. --num-slices 2")
+    if not 0 <= up.spare_slices <= 64:
+        raise TpulaunchError(f"--spare-slices {up.spare_slices} is not from 0 to 64", "e.g. --spare-slices 1")
     if not up.image:
         tv, rv = client_versions()
         raise TpulaunchError("--image is needed: the image every pod runs",
@@ -80,7 +83,7 @@ def request_of(up: UpRequest, namespace: str, cluster_id: str) -> manifest.GkeCl
     return manifest.GkeClusterRequest(name=up.name, namespace=namespace, shape=shape, num_slices=up.num_slices,
                                       image=up.image, ray_version=rv, tpulaunch_version=tv, cluster_id=cluster_id,
                                       spot=up.spot, placement_policy=up.placement_policy, head_cpu=up.head_cpu,
-                                      head_memory=up.head_memory)
+                                      head_memory=up.head_memory, spare_slices=up.spare_slices)
 
 
 def dry_run(up: UpRequest) -> dict:
@@ -147,11 +150,12 @@ def up(checked: Checked, say: Say) -> ClusterInfo:
         kuberay.wait_head(kube, request.name, request.timeout_s, say)
         api = provider.job_api(kube)
         check_image(api, req.image, say)  # as soon as the head runs: a wrong image fails before any TPU wait
-        pods = kuberay.wait_pods(kube, request.name, manifest.GROUP, req.num_slices, shape.hosts, request.timeout_s,
+        pods = kuberay.wait_pods(kube, request.name, manifest.GROUP, req.replicas, shape.hosts, request.timeout_s,
                                  lambda prog, head: say(_progress_line(prog, head)))
-        wait_ray(api, [f"{manifest.GROUP}-{r}" for r in range(req.num_slices)], shape.hosts, request.timeout_s, say)
+        wait_ray(api, [f"{manifest.GROUP}-{r}" for r in range(req.replicas)], shape.hosts, request.timeout_s, say)
         info.slices = kuberay.slices_from_pods(pods, manifest.GROUP, shape.topology.accelerator_type,
-                                               shape.topology.topology, req.num_slices)
+                                               shape.topology.topology, req.replicas)
+        info.spares = req.spares
     except BaseException as e:
         if existing is None and isinstance(e, Exception):
             say(f"bring-up failed: deleting what it made ({', '.join(made) or 'nothing yet'})")
@@ -177,10 +181,10 @@ def _check_pools(pools: list, req: manifest.GkeClusterRequest, spot: bool) -> li
     from tpulaunch.discover import gke as discover_gke
 
     fit = discover_gke.fitting(pools, req.shape, spot)
-    if len(fit) >= req.num_slices:
+    if len(fit) >= req.replicas:
         return fit
     topo = req.shape.topology
-    want = (f"{req.num_slices} node pool(s) of {topo.generation.name} {topo.topology} with {req.shape.chips_per_vm} chips"
+    want = (f"{req.replicas} node pool(s) of {topo.generation.name} {topo.topology} with {req.shape.chips_per_vm} chips"
             f" a node{' (spot)' if spot else ''}")
     have = "; ".join(f"{p.pool}: {p.generation or p.accelerator_label} {p.topology or '?'}, {p.chips_per_node} chips a node,"
                      f" {len(p.nodes)}/{p.expected_hosts or '?'} hosts{', spot' if p.spot else ''}" for p in pools)
@@ -347,6 +351,22 @@ class GkeProvider(Provider):
             self._kube = kube
         token = check_token_file(self.info.token_path, "the cluster's token file") if self.info.token_path else None
         return JobApi(self.job_url(), token)
+
+    def spares(self) -> list[str]:
+        """The RayCluster's annotation says (the supervisor on the head and every client read the same)."""
+        rc = self.kube().get("RayCluster", self.spec.name) or {}
+        raw = ((rc.get("metadata") or {}).get("annotations") or {}).get(manifest.SPARES_ANNOTATION)
+        try:
+            names = json.loads(raw) if raw else []
+        except ValueError:
+            names = []
+        return [n for n in names if isinstance(n, str)]
+
+    def swap(self, lost: str, spare: str) -> None:
+        names = [lost if s == spare else s for s in self.spares()]
+        self.kube().patch("RayCluster", self.spec.name,
+                          {"metadata": {"annotations": {manifest.SPARES_ANNOTATION: json.dumps(names)}}})
+        self.info.spares = names
 
     def supervisor_env(self) -> dict[str, str]:
         doc = {"name": self.spec.name, "namespace": self.spec.namespace, "group": self.spec.group}
@@ -516,6 +536,30 @@ class GkeProvider(Provider):
 
     def rejoin(self, lost: list[str], deadline_s: float, say: Say) -> list[SliceSpec]:
         return self._wait_whole(lost, deadline_s, self._hosts())
+
+    def replace_refusal(self) -> str | None:
+        return None  # deleting a replica's pods makes KubeRay make it again
+
+    def replace(self, names: list[str], why: str, deadline_s: float, say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
+        """Delete the slices' pods: KubeRay makes their replicas again (new pods, maybe new nodes)."""
+        kube = self.kube()
+        pods = kube.list("Pod", kuberay.selector(self.spec.name))
+        recs = []
+        t = time.monotonic()
+        for name in names:
+            r = self._replica(name)
+            mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(kuberay.REPLICA) == str(r)
+                    and (p["metadata"].get("labels") or {}).get("ray.io/group") == self.spec.group]
+            say(f"slice {name}: {why}: deleting its {len(mine)} pod(s); KubeRay makes its replica again")
+            for p in mine:
+                kube.delete("Pod", p["metadata"]["name"])
+            recs.append(Recreation(name, "", why))
+        slices = self._wait_whole(names, deadline_s, self._hosts())
+        by = {sp.name: sp for sp in slices}
+        for rec in recs:
+            rec.steps["replica_whole_s"] = time.monotonic() - t
+            rec.replica = by[rec.slice].provenance.get("replica") if rec.slice in by else None
+        return recs, slices
 
     def preempted_again(self, lost: list[str]) -> bool:
         """A pod of a lost slice ended by a node shutdown again (not: its replica is still coming back)."""

@@ -109,11 +109,18 @@ class TpuVmProvider(Provider):
             raise ClusterError("could not stop Ray on " + "; ".join(f"worker {w}: {m}" for w, m in sorted(bad.items()))
                                + here, "fix what that says (gcloud login, config) and run `tpulaunch cluster down` again:"
                                " the record is kept for it")
+        deleted = []
+        for name in rec.remote.made if rec.remote else ():  # the spare slices `cluster up` made
+            from tpulaunch.provision import capacity
+
+            progress.note(f"deleting slice {name} (made by cluster up)")
+            if capacity.delete(rec.remote.project, rec.remote.zone, name):
+                deleted.append(name)
         clear_record()
         if rec.token_path and tokens.is_ours(rec.token_path):
             Path(rec.token_path).unlink(missing_ok=True)
         return {"processes_stopped": sum(r.get("stopped", 0) for r in results.values()),
-                "hosts": dict(sorted(results.items()))}
+                "hosts": dict(sorted(results.items())), "deleted_slices": deleted}
 
     def recreate_refusal(self) -> str | None:
         return refusal(self.info)
@@ -189,6 +196,59 @@ class TpuVmProvider(Provider):
 
     def rejoin(self, lost: list[str], deadline_s: float, say: Say) -> list[SliceSpec]:
         return self._rejoin(lost, deadline_s, say, again=True)
+
+    def replace_refusal(self) -> str | None:
+        return refusal(self.info)
+
+    def repair(self, deadline_s: float, say: Say) -> list[str]:
+        """Each slice not whole in Ray: a queued resource already asked again (a stopped run's
+        re-creation) is waited for until ACTIVE, then set up and joined; a preempted one is made
+        again; a READY one's missing workers join again."""
+        from tpulaunch.provision import capacity
+
+        r = self.info.remote
+        assert r is not None
+        missing = self.not_whole()
+        end = time.monotonic() + deadline_s
+        for name in sorted(missing):
+            spec = next(s for s in self.info.slices if s.name == name)
+            qr = qr_id(spec)
+            st = capacity.get(r.project, r.zone, qr) if qr else None
+            say(f"slice {name}: {missing[name]}; queued resource {qr or '-'} {st.state if st else 'gone'}")
+            if st is not None and st.state in capacity.WAITING:
+                capacity.wait_active(r.project, r.zone, qr, max(1.0, end - time.monotonic()), say,
+                                     flag="--timeout")
+                self._rejoin([name], max(1.0, end - time.monotonic()), say)
+            elif preempted(spec, r.project, r.zone)[1] is not None:
+                self.bring_back([name], max(1.0, end - time.monotonic()), say)
+            else:
+                self._rejoin([name], max(1.0, end - time.monotonic()), say, again=True)
+        return sorted(missing)
+
+    def replace(self, names: list[str], why: str, deadline_s: float, say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
+        """Delete and create again the queued resources of these slices (new VMs), set them up and join."""
+        from tpulaunch.provision import capacity
+
+        cluster = self.info
+        assert cluster.remote is not None
+        end = time.monotonic() + deadline_s
+        done: list[Recreation] = []
+        for spec in [s for s in cluster.slices if s.name in names]:
+            qr = qr_id(spec)
+            if not qr:
+                raise LaunchError(f"slice {spec.name} has no queued resource to make it again", "")
+            say(f"slice {spec.name}: {why}: making it again (queued resource {qr})")
+            rec = Recreation(spec.name, qr, why)
+            _st, took = capacity.recreate(cluster.remote.project, cluster.remote.zone, qr,
+                                          max(1.0, end - time.monotonic()), say)
+            rec.steps.update(took)
+            done.append(rec)
+            t = time.monotonic()
+            try:
+                self._rejoin([spec.name], end - time.monotonic(), say)
+            finally:
+                rec.steps["setup_join_s"] = time.monotonic() - t
+        return done, list(cluster.slices)
 
     def preempted_again(self, lost: list[str]) -> bool:
         """The API's word, its errors included (a comeback it cannot ask about ends)."""

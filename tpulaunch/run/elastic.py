@@ -81,9 +81,10 @@ class Regrowth:
     specs after a re-creation (new addresses), for the grown plan."""
 
     def __init__(self, cluster: ClusterInfo, plan: LaunchPlan, lost: list[str], *, recreate: bool, wait_s: float,
-                 grow_after: float | None, say: Callable[[str], None], budget: int = 0) -> None:
+                 grow_after: float | None, say: Callable[[str], None], budget: int = 0, spare: bool = False) -> None:
         self.cluster, self.lost, self.recreate, self.wait_s = cluster, lost, recreate, wait_s
         self.grow_after, self.say = grow_after, say
+        self.spare = spare  # they come back as spares (a spare took their place): the run does not grow
         self.topology = plan.topology
         self.ready_at: float | None = None
         self.error: str | None = None
@@ -115,9 +116,12 @@ class Regrowth:
             if wait_whole(self.cluster, self.topology, self.lost, end - time.monotonic(), self._stop.is_set,
                           self.say, poll=self._stop.wait):
                 self.ready_at = time.monotonic()
-                self.say(f"slice(s) {', '.join(self.lost)} back in Ray: the run grows back to them"
-                         + (f" {self.grow_after:g} s from now" if self.grow_after is not None
-                            else " at its next checkpoint"))
+                if self.spare:
+                    self.say(f"slice(s) {', '.join(self.lost)} back in Ray: spare(s) now")
+                else:
+                    self.say(f"slice(s) {', '.join(self.lost)} back in Ray: the run grows back to them"
+                             + (f" {self.grow_after:g} s from now" if self.grow_after is not None
+                                else " at its next checkpoint"))
             elif not self._stop.is_set():
                 self.error = f"slice(s) {', '.join(self.lost)} not back within --preemption-wait {self.wait_s:g} s"
                 self.say(self.error + ": the run goes on without them")
@@ -137,3 +141,31 @@ class Regrowth:
             return f"{back}: growing back ({self.grow_after:g} s after)" if now >= self.ready_at + self.grow_after else None
         step = watch.saved_since(self.ready_at)
         return f"{back}: growing back after the checkpoint of step {step}" if step is not None else None
+
+
+class Background:
+    """Work on the cluster that goes on while the run does (a hung slice made again as a spare): a
+    thread of its own; its failure is said, never raised into the run."""
+
+    def __init__(self, what: str, fn: Callable[[], object], say: Callable[[str], None]) -> None:
+        self.what, self.say = what, say
+        self.error: str | None = None
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="tpulaunch-background", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+            self.say(f"{self.what}: done")
+        except TpulaunchError as e:
+            self.error = e.line()
+            self.say(f"{self.what}: not done: {self.error}")
+        except Exception as e:  # noqa: BLE001 - a thread's failure must not pass unseen
+            self.error = f"{type(e).__name__}: {e}"
+            self.say(f"{self.what}: not done: {self.error}")
+        finally:
+            self.done.set()
+
+    def cancel(self) -> None:
+        """Nothing to stop midway (a re-creation asked for goes on); the run only stops waiting for it."""

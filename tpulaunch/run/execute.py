@@ -30,7 +30,7 @@ from tpulaunch.run.fleet import Fleet, RayFleet, Reply, node_death, reachable, w
 from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.timeline import Timeline
 from tpulaunch.run.status import RunState, RunView
-from tpulaunch.run.summary import Attempt, Cause, HostResult
+from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome
 
 HEAD_PROBE_EVERY_S = 2.0
 STATUS_EVERY_S = 2.0  # how often the sink hears where every host is
@@ -418,7 +418,16 @@ def _carry_out(action: W.StopOthers | W.StopAll, plan: LaunchPlan, fleet: Fleet,
             path = paths.host_stacks(plan.attempt, plan.hosts[i].process_index)
             path.write_text(dumps.get(i, "(no dump)"))
             watch.hosts[i].stacks = str(path)
-        where = W.where_hosts_are({plan.hosts[i].process_index: dumps.get(i, "") for i in order})
+        by_process = {plan.hosts[i].process_index: dumps.get(i, "") for i in order}
+        where = W.where_hosts_are(by_process)
         watch.note = f"{action.why}; stacks in {paths.attempt(plan.attempt)}/host-<i>.stacks.txt ({where})"
+        if action.outcome is Outcome.STALLED:  # which hosts caused it: what the others wait for
+            from tpulaunch.run import hang
+
+            watch.hang = hang.triage(by_process, [hang.HostRef(h.process_index, h.slice_index, h.worker_id)
+                                                   for h in plan.hosts])
+            watch.note = (f"{action.why}; {watch.hang.line}; stacks in {paths.attempt(plan.attempt)}/host-<i>.stacks.txt"
+                          f" ({where})")
+            sink.progress(watch.hang.line)
     fleet.stop(action.hosts, limits.grace_s)
     return time.monotonic() + limits.grace_s + STOP_DRAIN_S

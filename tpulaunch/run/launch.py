@@ -94,10 +94,12 @@ class Connection:
             return discover.ClusterSlices(False)  # its slices come from the Cloud TPU API
         from tpulaunch.discover import ray_labels
 
+        from tpulaunch import providers
+
         with ray_output_to(driver_log_path(), True):
             self.connect(cluster)
             found = ray_labels.read_slices()
-        return discover.ClusterSlices(False, ray_slices=tuple(found))
+        return discover.ClusterSlices(False, ray_slices=tuple(found), spares=tuple(providers.of(cluster).spares()))
 
     def connect(self, cluster: ClusterInfo) -> None:
         if not self.open:
@@ -230,12 +232,13 @@ def _attempts(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, 
               cluster: ClusterInfo, attempts: list[Attempt], timeline: Timeline) -> tuple[policy.Spent, str | None]:
     """Run attempts until the policy finishes the run; returns what was spent and why it finished."""
     regrowths: list[elastic.Regrowth] = []  # lost slices coming back while the run trains on the others
+    healings: list = []  # slices a spare replaced, coming back as spares (elastic.Regrowth, elastic.Background)
     if not cluster.slices:  # a cluster known by its address: its slices are the ones the run found there
         cluster.slices = list(plan.slices)
     try:
-        return _attempt_loop(plan, req, sink, limits, sigs, cluster, attempts, timeline, regrowths)
+        return _attempt_loop(plan, req, sink, limits, sigs, cluster, attempts, timeline, regrowths, healings)
     finally:
-        for r in regrowths:
+        for r in [*regrowths, *healings]:
             r.cancel()
 
 
@@ -280,8 +283,9 @@ def _grow_when(regrowths: list[elastic.Regrowth]):  # noqa: ANN202 - the watch's
 
 def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limits, sigs: Interrupts,
                   cluster: ClusterInfo, attempts: list[Attempt], timeline: Timeline,
-                  regrowths: list[elastic.Regrowth]) -> tuple[policy.Spent, str | None]:
-    budgets = policy.Budgets(req.max_restarts, req.max_preemptions, req.kill_stale, req.min_slices or 0)
+                  regrowths: list[elastic.Regrowth], healings: list) -> tuple[policy.Spent, str | None]:
+    budgets = policy.Budgets(req.max_restarts, req.max_preemptions, req.kill_stale, req.min_slices or 0,
+                             req.replace_hung)
     spent = policy.Spent()
     gcs = None if cluster.address.startswith("ray://") else cluster.address
     current = full = plan  # full: every slice the run asked for; current: the ones this attempt runs on
@@ -315,11 +319,32 @@ def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limi
             current, full = _resize(decision.action, a, current, full, sorted(hit), regrowths, req, sink, cluster,
                                     timeline, spent)
             continue
+        if decision.action is policy.Action.REPLACE:
+            spent = decision.spent
+            sink.status(RunView(plan.run_id, RunState.RESTARTING, a.index, tuple(), attempts_brief(attempts),
+                                note=a.hang.line if a.hang else None))
+            if sigs.received is not None:
+                return spent, None
+            sigs.raise_now = True  # no host runs while the slices are replaced: a stop ends it at once
+            try:
+                current, full, why = _replace_hung(a, current, full, req, sink, cluster, timeline, sigs, healings)
+            finally:
+                sigs.raise_now = False
+            if why is not None:
+                return spent, why
+            continue
         sink.status(RunView(plan.run_id, RunState.RESTARTING, a.index, tuple(), attempts_brief(attempts),
                             note=f"attempt {a.index}: {a.outcome}: {who}"))
         spent = decision.spent
         if sigs.received is not None:
             return spent, None
+        if decision.action is policy.Action.WAIT_FOR_SLICE and current is full:
+            swapped = _swap_in_spares(sorted(hit), a, current, cluster, req, sink, timeline, healings,
+                                      "a preemption or a lost host")
+            if swapped is not None:  # a spare took each lost slice's place: no wait for them at all
+                _lost_to_preemption(a, sorted(hit), cluster)
+                current = full = swapped.for_attempt(current.attempt + 1, _fresh_endpoints(swapped), "preemption")
+                continue
         if decision.action is policy.Action.WAIT_FOR_SLICE:
             if current is not full:  # too few slices left to go on: wait for the whole run's again
                 for r in regrowths:
@@ -370,6 +395,121 @@ def _attempt_loop(plan: LaunchPlan, req: LaunchRequest, sink: Sink, limits: Limi
         current = current.for_attempt(current.attempt + 1, _fresh_endpoints(current), reason)
         if current.mesh.num_slices == full.mesh.num_slices:
             full = current
+
+
+def _swap_in_spares(lost: list[str], a: Attempt, current: LaunchPlan, cluster: ClusterInfo, req: LaunchRequest,
+                    sink: Sink, timeline: Timeline, healings: list | None, why: str) -> LaunchPlan | None:
+    """A spare of the run's shape, whole and free in Ray, for each slice in `lost`: the plan with them
+    in the lost ones' places (same slice ids; process indices, `MEGASCALE_*` and the mesh made afresh
+    for that fleet), the record saying the lost ones are the spares now, and the lost ones brought
+    back in the background (as spares). None when there are not spares enough (the run waits instead)."""
+    from tpulaunch import providers
+    from tpulaunch.discover import ray_labels
+
+    provider = providers.of(cluster)
+    spares = provider.spares()
+    if not spares:
+        return None
+    t0 = time.monotonic()
+    topo = current.topology
+    now = {s.name: s for s in ray_labels.read_slices()}
+    ready = [n for n in spares if n in now and now[n].intact(topo.num_hosts) and not now[n].busy
+             and _same_shape(now[n], topo)]
+    if len(ready) < len(lost):
+        sink.progress(f"{len(ready)} spare(s) of {topo.accelerator_type} ({topo.topology}) whole and free, {len(lost)}"
+                      " needed: waiting for the lost slice(s) instead")
+        return None
+    swaps = {name: now[spare].to_spec() for name, spare in zip(lost, ready)}
+    for name, spare in zip(lost, ready):
+        provider.swap(name, spare)
+    plan = current.swapped(swaps)
+    took = time.monotonic() - t0
+    a.replaced = [{"slice": name, "how": f"spare {spec.name}", "spare": spec.name, "why": why, "seconds": round(took, 3)}
+                  for name, spec in swaps.items()]
+    timeline.emit("swap", slices=list(swaps), spares=[s.name for s in swaps.values()])
+    sink.progress("; ".join(f"spare {spec.name} takes {name}'s place" for name, spec in swaps.items())
+                  + f" ({took:.2f} s): {name if len(lost) == 1 else 'they'} come(s) back as spare(s) in the background")
+    if healings is not None:
+        healings.append(elastic.Regrowth(cluster, current, list(swaps), recreate=req.recreate, wait_s=req.preemption_wait,
+                                         grow_after=None, say=sink.progress, budget=0, spare=True))
+    return plan
+
+
+def _lost_to_preemption(a: Attempt, lost: list[str], cluster: ClusterInfo) -> None:
+    """A spare took the lost slices' places: the provider's word (once) on whether they were preempted,
+    which the recreate path hears as it makes them again, and a spare's swap does not wait for."""
+    if a.outcome is not Outcome.LOST:
+        return
+    verdicts = {n: why for n, why in recreate.preempted_slices(cluster, lost).items() if why}
+    if verdicts:
+        a.outcome = Outcome.PREEMPTED
+        a.note = "; ".join(f"slice {n} preempted ({why})" for n, why in verdicts.items())
+
+
+def _same_shape(s, topo) -> bool:  # noqa: ANN001 - a ray_labels.RaySlice, the run's Topology
+    """A spare is used only when it is the run's shape: a spare of another shape never is."""
+    from tpulaunch.plan import topology as topo_mod
+
+    try:
+        t = topo_mod.resolve(topology=s.topology or None, accelerator=s.pod_type)
+    except TpulaunchError:
+        return False
+    return (t.generation.name, t.topology, t.num_hosts) == (topo.generation.name, topo.topology, topo.num_hosts)
+
+
+def _replace_hung(a: Attempt, current: LaunchPlan, full: LaunchPlan, req: LaunchRequest, sink: Sink,
+                  cluster: ClusterInfo, timeline: Timeline, sigs: Interrupts,
+                  healings: list) -> tuple[LaunchPlan, LaunchPlan, str | None]:
+    """`--replace-hung`: the hang's culprit slices are made again by the cluster's provider (or, where
+    it cannot, dropped under --min-slices), then the whole run restarts from its checkpoint. Returns
+    (the next plan, the full one, why the run ends instead or None)."""
+    from tpulaunch import providers
+    from tpulaunch.host import frameworks
+
+    assert a.hang is not None
+    names = [current.slices[k].name for k in a.hang.slices]
+    provider = providers.of(cluster)
+    if current is full:
+        swapped = _swap_in_spares(names, a, current, cluster, req, sink, timeline, None, a.hang.line)
+        if swapped is not None:  # a spare took each hung slice's place; the hung ones are made again as spares
+            if provider.replace_refusal() is None:
+                healings.append(elastic.Background(
+                    f"slice(s) {', '.join(names)} made again as spares",
+                    lambda: provider.replace(names, a.hang.line, req.preemption_wait, sink.progress), sink.progress))
+            nxt = swapped.for_attempt(current.attempt + 1, _fresh_endpoints(swapped), "restart")
+            return nxt, nxt, None
+    t0 = time.monotonic()
+    timeline.emit("replace_start", slices=names, why=a.hang.line)
+    if provider.replace_refusal() is None:
+        try:
+            recs, slices = provider.replace(names, a.hang.line, req.preemption_wait, sink.progress)
+        except TpulaunchError as e:
+            timeline.emit("replace_end", slices=names, ok=False)
+            return current, full, f"the hung slice(s) {', '.join(names)} could not be replaced: {e.line()}"
+        current = current.on_slices(recreate.in_run_order(current.slices, slices))
+        left = max(1.0, req.preemption_wait - (time.monotonic() - t0))
+        if not _wait_for_slice(current, cluster, left, sigs, sink):
+            timeline.emit("replace_end", slices=names, ok=False)
+            return current, full, f"the replaced slice(s) were not whole in Ray within --preemption-wait {req.preemption_wait:g} s"
+        current = _where_ray_has_them(current)
+        took = time.monotonic() - t0
+        a.replaced = [{"slice": r.slice, "how": "made again", "why": a.hang.line, "seconds": round(took, 2),
+                       **({"replica": r.replica} if r.replica else {})} for r in recs]
+        timeline.emit("replace_end", slices=names, ok=True)
+        sink.progress(f"replaced {', '.join(names)} after the hang ({took:.1f} s): restarting the whole run from its"
+                      " checkpoint")
+        nxt = current.for_attempt(current.attempt + 1, _fresh_endpoints(current), "restart")
+        return nxt, nxt if nxt.mesh.num_slices == full.mesh.num_slices else full, None
+    keep = [s.name for s in current.slices if s.name not in names]
+    if req.min_slices and len(keep) >= req.min_slices:  # dropped: the run goes on without them
+        a.replaced = [{"slice": n, "how": "dropped", "why": a.hang.line, "seconds": 0.0} for n in names]
+        timeline.emit("replace_end", slices=names, ok=True)
+        sink.progress(f"dropping {', '.join(names)} after the hang: going on on {', '.join(keep)}")
+        small = current.on_fleet(keep, frameworks.get(current.framework).emulation_env(current.topology, len(keep)))
+        nxt = small.for_attempt(current.attempt + 1, _fresh_endpoints(small), "shrink")
+        return nxt, nxt, None
+    timeline.emit("replace_end", slices=names, ok=False)
+    return current, full, f"the hung slice(s) {', '.join(names)} cannot be replaced: {provider.replace_refusal()}"
 
 
 def _resize(action: policy.Action, a: Attempt, current: LaunchPlan, full: LaunchPlan, hit: list[str],
@@ -423,7 +563,9 @@ def attempts_brief(attempts: list[Attempt]) -> tuple[dict, ...]:
     for a in attempts:
         out.append({"index": a.index, "outcome": str(a.outcome), "exit_code": a.exit_code, "who": a.who,
                     "log_dir": a.log_dir, "reason": a.reason, "slices": list(a.slices),
-                    **({"recreated": [r.to_dict() for r in a.recreated]} if a.recreated else {})})
+                    **({"recreated": [r.to_dict() for r in a.recreated]} if a.recreated else {}),
+                    **({"hang": a.hang.to_dict()} if a.hang is not None else {}),
+                    **({"replaced": list(a.replaced)} if a.replaced else {})})
     return tuple(out)
 
 

@@ -12,7 +12,11 @@ slice, relaunches, or ends the run). Tested over a table of cases with no cluste
 * Elastic (`--min-slices K`): a lost or preempted slice, with at least K slices left whole, shrinks
   the run at once to the slices left (a preemption, counted); an attempt tpulaunch stopped because
   the lost slices are back grows it again (counted against nothing).
-* Success, timeouts, stalls and signals end the run.
+* A stalled attempt (`--stall-timeout`, or libtpu's own hang report) relaunches the whole slice
+  while `--max-restarts` allows; with `--replace-hung` and culprits named by the triage
+  (`run.hang`), their slices are replaced first (a spare, made again, or dropped under
+  `--min-slices`). Either counts as a restart.
+* Success, timeouts and signals end the run.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Budgets:
     max_preemptions: int = 0
     kill_stale: bool = False
     min_slices: int = 0  # elastic: go on with at least this many slices (0: never shrink)
+    replace_hung: bool = False  # --replace-hung: a hang's culprit slices are replaced before the restart
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class Action(Enum):
     WAIT_FOR_SLICE = "wait-for-slice"  # relaunch once every host is back in Ray
     SHRINK = "shrink"  # relaunch now on the slices left whole; the lost ones come back in the background
     GROW = "grow"  # relaunch on every slice of the run (the lost ones are back)
+    REPLACE = "replace"  # replace the slices of a hang's culprits, then relaunch
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,16 @@ def decide(attempt: Attempt, budgets: Budgets, spent: Spent, whole_slices: int |
     outcome, first = attempt.outcome, attempt.first_failure
     if outcome is Outcome.GROWN:
         return Decision(Action.GROW, spent)
-    if outcome in (Outcome.OK, Outcome.INTERRUPTED, Outcome.TIMEOUT, Outcome.STALLED):
+    if outcome in (Outcome.OK, Outcome.INTERRUPTED, Outcome.TIMEOUT):
         return Decision(Action.FINISH, spent)
+    if outcome is Outcome.STALLED:
+        if spent.restarts >= budgets.max_restarts:
+            return Decision(Action.FINISH, spent, _spent("--max-restarts", budgets.max_restarts))
+        counted = replace(spent, restarts=spent.restarts + 1)
+        hang = attempt.hang
+        if budgets.replace_hung and hang is not None and hang.slices:
+            return Decision(Action.REPLACE, counted)
+        return Decision(Action.RESTART, counted)
     if outcome is Outcome.PREFLIGHT:
         return Decision(Action.FINISH, spent, "the preflight checks failed: no script was started")
     if outcome in (Outcome.LOST, Outcome.PREEMPTED):

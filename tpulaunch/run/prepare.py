@@ -251,7 +251,7 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
         # more than the plan holds): a queued resource's nodes too, however they were found
         metadata_server=not emulated, distributed=req.distributed and not req.command,
         log_dir=str((Path(req.log_dir) / run_id).resolve()), workdir=str(workdir), command=tuple(req.command),
-        python=req.python,
+        python=req.python, hang_s=req.stall_timeout,
         compile_cache=None if (req.no_compile_cache or req.command) else (
             req.compile_cache or default_compile_cache(fw, resolved.topology, resolved.num_slices, emulated)),
     )
@@ -280,8 +280,12 @@ def check_python(python: str, emulated: bool) -> None:
 
 
 def recorded_slices(cluster: ClusterInfo) -> discover.ClusterSlices:
-    """The slices of an emulated cluster, as its record lists them."""
-    return discover.ClusterSlices(True, tuple(cluster.slices))
+    """The slices of an emulated cluster a run may have, as its record lists them (its spares not)."""
+    from dataclasses import replace
+
+    mine = [s for s in cluster.slices if s.name not in cluster.spares]
+    return discover.ClusterSlices(True, tuple(replace(s, slice_index=i) for i, s in enumerate(mine)),
+                                  spares=tuple(cluster.spares))
 
 
 def _warm_cluster_for(req: LaunchRequest) -> ClusterInfo | None:

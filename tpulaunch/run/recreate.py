@@ -23,7 +23,7 @@ from tpulaunch.errors import LaunchError, TpulaunchError
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.providers import Recreation, RejoinFailed
 
-__all__ = ["Comeback", "Recreation", "RejoinFailed", "check", "in_run_order"]
+__all__ = ["Comeback", "Recreation", "RejoinFailed", "check", "check_replace", "in_run_order"]
 
 
 def check(cluster: ClusterInfo | None, emulated: bool, max_preemptions: int) -> None:
@@ -37,6 +37,20 @@ def check(cluster: ClusterInfo | None, emulated: bool, max_preemptions: int) -> 
         raise LaunchError("--recreate without --max-preemptions: no preemption would be survived",
                           "add --max-preemptions N (each re-creation counts as one)")
     provider.check_recreate()
+
+
+def check_replace(cluster: ClusterInfo | None, local: bool, max_restarts: int, min_slices: int | None) -> None:
+    """Refuse (one line) a `--replace-hung` that could never replace anything, before anything starts."""
+    if not max_restarts:
+        raise LaunchError("--replace-hung without --max-restarts: a replacement counts as a restart",
+                          "add --max-restarts N")
+    if local or min_slices:
+        return  # an emulated cluster here starts a slice's hosts again; --min-slices drops the slice
+    why = providers.of(cluster).replace_refusal()
+    if why:
+        raise LaunchError(f"--replace-hung: {why}, and no --min-slices lets the run drop a hung slice",
+                          "bring the cluster up with `tpulaunch cluster up --tpu NAME --head local` or `--gke`, or add"
+                          " --min-slices K")
 
 
 def in_run_order(run: tuple[SliceSpec, ...] | list[SliceSpec], now: list[SliceSpec]) -> list[SliceSpec]:

@@ -19,6 +19,7 @@ from enum import Enum
 
 from tpulaunch.errors import ExitCode
 from tpulaunch.providers.base import Recreation
+from tpulaunch.run.hang import Hang
 
 
 class Outcome(str, Enum):
@@ -81,6 +82,7 @@ class HostResult:
     step: int | None = None  # the last step it reported (`tpulaunch.heartbeat(step=N)`)
     step_rate: float | None = None  # steps/s from its first reported step to its last, in this attempt
     rank: int | None = None  # a host of one process per device (torch_tpu): the rank that failed it
+    went_with: int | None = None  # went with its slice, lost or preempted through this host (never blamed first)
 
     @property
     def failed(self) -> bool:
@@ -102,6 +104,8 @@ class Attempt:
     signal: str | None = None  # SIGINT / SIGTERM when interrupted
     findings: list[dict] = field(default_factory=list)  # preflight: errors and warnings, by host
     recreated: list[Recreation] = field(default_factory=list)  # --recreate: the slices made again after it
+    hang: Hang | None = None  # a stall's triage: the culprits, where they are, where the others wait
+    replaced: list[dict] = field(default_factory=list)  # --replace-hung / spares: the slices swapped out after it
     slices: list[str] = field(default_factory=list)  # the slices it ran on (fewer than the run's after a shrink)
     reason: str = "first"  # why it ran: first, restart, preemption, shrink, grow
 
@@ -114,6 +118,11 @@ class Attempt:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["recreated"] = [r.to_dict() for r in self.recreated]
+        d.pop("hang")
+        if self.hang is not None:
+            d["hang"] = self.hang.to_dict()
+        if not self.replaced:
+            d.pop("replaced")
         return d
 
 
@@ -149,7 +158,7 @@ def first_failure(hosts: list[HostResult]) -> HostResult | None:
         return (h.last_seen if h.lost else h.ended_at) or float("inf")
 
     failed = [h for h in hosts if h.failed]
-    return min(failed, key=lambda h: (when(h), not h.lost, h.process_index)) if failed else None
+    return min(failed, key=lambda h: (h.went_with is not None, when(h), not h.lost, h.process_index)) if failed else None
 
 
 def outcome_of(h: HostResult | None) -> Outcome:

@@ -22,6 +22,7 @@ from tpulaunch.host.protocol import PollReply
 from tpulaunch.host.ranks import FAILED_RE as RANK_FAILED_RE
 from tpulaunch.procfs import exit_reason
 from tpulaunch.run.status import HostPhase, HostView
+from tpulaunch.run.hang import LIBTPU_HANG
 from tpulaunch.run.steps import StepRates
 from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome, exit_code_for, first_failure, outcome_of
 
@@ -85,6 +86,7 @@ class AttemptWatch:
         self.findings: list[dict] = []  # preflight's, errors and warnings
         self.last_activity: dict[int, float] = {}  # the host's own clock: its last line or heartbeat
         self.steps = StepRates(len(hosts))
+        self.hang = None  # a stall's triage (`run.hang.Hang`), set when the stacks were taken
 
     # -- facts ---------------------------------------------------------------------------------
 
@@ -100,8 +102,10 @@ class AttemptWatch:
             self.activity[i] = now
         self.beat[i] = reply.activity
         self.last_activity[i] = reply.activity
+        libtpu_hang: str | None = None
         if reply.lines:
             self.last_line[i] = reply.lines[-1][1]
+            libtpu_hang = next((text for _stream, text in reply.lines if LIBTPU_HANG.search(text)), None)
             if r.rank is None:
                 for _stream, text in reply.lines:
                     m = RANK_FAILED_RE.match(text)
@@ -119,8 +123,13 @@ class AttemptWatch:
         action: Action = None
         if reply.preempted and not r.preempted:
             r.preempted = reply.preempted
+            self._slice_goes(i, f"host {r.process_index} preempted: {reply.preempted}")
             action = self._fail_fast(f"host {r.process_index} is preempted ({reply.preempted})",
                                      grace_s=self.rules.preemption_grace_s, source=i)
+        if libtpu_hang is not None and self.pending and self.outcome is None:  # libtpu's own hang report
+            self.outcome = Outcome.STALLED
+            return StopAll(Outcome.STALLED, f"libtpu reported a hang on host {r.process_index}: {libtpu_hang[:160]}",
+                           self._stop(self.pending), dump_stacks=True)
         if reply.code is not None:
             r.phases = dict(reply.phases)
             action = self._ended(i, reply.code, reply.ended or wall_now) or action
@@ -133,6 +142,7 @@ class AttemptWatch:
         r = self.hosts[i]
         r.lost, r.reason, r.cause = True, why, cause
         self.pending.discard(i)
+        self._slice_goes(i, f"host {r.process_index} lost: {why}")
         return self._fail_fast(f"host {r.process_index} lost ({why})")
 
     def on_head_probe(self, reachable: bool, head_host: int) -> Action:
@@ -214,6 +224,14 @@ class AttemptWatch:
             return self._fail_fast(f"host {r.process_index} {r.reason if r.rank is not None else exit_reason(code)}")
         return None
 
+    def _slice_goes(self, i: int, why: str) -> None:
+        """A slice is lost or preempted as one: every other host of host `i`'s slice goes with it (its
+        end is the slice's preemption, not a failure of its own)."""
+        s = self.hosts[i].slice_index
+        for j, r in enumerate(self.hosts):
+            if j != i and r.slice_index == s and not (r.lost or r.preempted):
+                r.preempted, r.went_with = f"its slice went ({why})", self.hosts[i].process_index
+
     def _fail_fast(self, what: str, grace_s: float | None = None, source: int | None = None) -> Action:
         """Stop every host but `source` (a preempted host is ending by itself, in its grace period)."""
         if self.failed_fast:
@@ -263,7 +281,7 @@ class AttemptWatch:
             index=self.attempt, outcome=outcome, exit_code=exit_code_for(outcome, first, signum), hosts=self.hosts,
             log_dir=log_dir, first_failure=first, note=self.note, wall_s=wall_s, timings=timings,
             signal=signal.Signals(signum).name if outcome is Outcome.INTERRUPTED and signum else None,
-            findings=list(self.findings),
+            findings=list(self.findings), hang=self.hang,
         )
 
 

@@ -1,0 +1,128 @@
+"""Hang triage (`run.hang`) over `py-spy dump` texts, and what the attempt watch does with a hang and
+with a lost slice: pure, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpulaunch.host.protocol import PollReply
+from tpulaunch.run.hang import COLLECTIVE, INPUT, PYTHON, HostRef, place_of, triage
+from tpulaunch.run.summary import Cause, HostResult, Outcome
+from tpulaunch.run.watch import AttemptWatch, StopAll, StopRules
+
+
+def dump(*frames: str, thread: str = "MainThread") -> str:
+    return f'Thread 0x7f01 (idle): "{thread}"\n' + "".join(f"    {f}\n" for f in frames)
+
+
+ALL_REDUCE = dump("all_reduce (/venv/lib/torch/distributed/distributed_c10d.py:2942)",
+                  "wrapper (/venv/lib/torch/distributed/c10d_logger.py:81)", "step (/w/train.py:30)",
+                  "<module> (/w/train.py:40)")
+LOAD = dump("load_batch (/w/train.py:23)", "step (/w/train.py:28)", "<module> (/w/train.py:40)")
+DATALOADER = dump("wait (/usr/lib/python3.11/threading.py:331)", "get (/usr/lib/python3.11/queue.py:180)",
+                  "_try_get_data (/venv/lib/torch/utils/data/dataloader.py:1133)",
+                  "_next_data (/venv/lib/torch/utils/data/dataloader.py:1295)", "<module> (/w/train.py:40)")
+XLA_STEP = dump("_xla_sync_multi (/venv/lib/torch_xla/core/xla_model.py:1000)", "mark_step (/venv/lib/torch_xla/core/xla_model.py:1050)",
+                "<module> (/w/train.py:40)")
+JAX_STEP = dump("block_until_ready (/venv/lib/jax/_src/array.py:600)", "train (/w/jt.py:90)")
+EVAL = dump("sleep_a_while (/w/train.py:50)", "evaluate (/w/train.py:60)")
+
+
+@pytest.mark.parametrize("text,kind,frame", [
+    (ALL_REDUCE, COLLECTIVE, "all_reduce (distributed_c10d.py:2942)"),
+    (XLA_STEP, COLLECTIVE, "_xla_sync_multi (xla_model.py:1000)"),
+    (JAX_STEP, COLLECTIVE, "block_until_ready (array.py:600)"),
+    (LOAD, INPUT, "load_batch (train.py:23)"),
+    (DATALOADER, INPUT, "_try_get_data (dataloader.py:1133)"),  # the queue wait says nothing; its caller does
+    (EVAL, PYTHON, "sleep_a_while (train.py:50)"),
+    ("(py-spy failed)", PYTHON, "an unknown place (no Python stack)"),
+])
+def test_where_a_host_waits(text, kind, frame):
+    assert place_of(text) == (place := place_of(text)) and (place.kind, place.frame) == (kind, frame)
+
+
+def test_only_the_main_thread_counts():
+    text = dump("all_reduce (/t/distributed_c10d.py:1)", thread="Thread-2") + dump("load_batch (/w/t.py:3)")
+    assert place_of(text).kind == INPUT
+
+
+HOSTS = [HostRef(i, i // 2, i % 2) for i in range(4)]
+
+
+def test_the_host_not_where_the_others_wait_is_the_culprit():
+    h = triage({0: ALL_REDUCE, 1: ALL_REDUCE, 2: ALL_REDUCE, 3: LOAD}, HOSTS)
+    assert h.culprits == (3,) and h.slices == (1,)
+    assert h.line == ("hang: host 3 (slice 1 worker 1) is in load_batch (train.py:23); the other 3 wait in"
+                      " all_reduce (distributed_c10d.py:2942)")
+    doc = h.to_dict()
+    assert doc["culprits"] == [3] and doc["hosts"]["3"] == {"kind": "input", "frame": "load_batch (train.py:23)"}
+    assert type(h).from_dict(doc).culprits == (3,)
+
+
+def test_several_culprits_and_their_slices():
+    h = triage({0: ALL_REDUCE, 1: EVAL, 2: ALL_REDUCE, 3: LOAD}, HOSTS)
+    assert h.culprits == (1, 3) and h.slices == (0, 1)
+    assert "host 1 (slice 0 worker 1) is in sleep_a_while" in h.line and "host 3 (slice 1 worker 1)" in h.line
+    assert h.line.endswith("the other 2 wait in all_reduce (distributed_c10d.py:2942)")
+
+
+def test_when_every_host_waits_in_the_collective_no_host_is_named():
+    h = triage({i: ALL_REDUCE for i in range(4)}, HOSTS)
+    assert h.culprits == () and h.slices == () and "none of them is the cause" in h.line
+
+
+def test_when_no_host_waits_in_a_collective_it_says_where_they_are():
+    h = triage({0: LOAD, 1: LOAD, 2: EVAL, 3: LOAD}, HOSTS)
+    assert h.culprits == () and h.line.startswith("hang: no host waits in a collective (hosts 0,1,3: in load_batch")
+
+
+# -- the attempt watch ----------------------------------------------------------------------------
+
+
+def watch(n: int, per_slice: int = 2, **rules) -> AttemptWatch:
+    hosts = [HostResult(i, i // per_slice, i % per_slice) for i in range(n)]
+    return AttemptWatch(0, hosts, StopRules(**rules), now=0.0)
+
+
+def reply(**kw) -> PollReply:
+    base = dict(lines=(), activity=0.0, code=None, ended=None, preempted=None, wall_s=1.0, step=None, checkpoint=None,
+                phases={})
+    base.update(kw)
+    if base["lines"] and isinstance(base["lines"][0], str):
+        base["lines"] = tuple(("stdout", t) for t in base["lines"])
+    return PollReply(**base)
+
+
+def test_libtpus_hang_report_stalls_the_attempt_at_once_with_stacks():
+    w = watch(4)
+    line = "E1128 Megascale hang detected: Timed out waiting for 4 graphs to complete at launch_id 13650. Timeout: 1m"
+    act = w.on_reply(2, reply(lines=[line]), 5.0, 1005.0)
+    assert isinstance(act, StopAll) and act.outcome is Outcome.STALLED and act.dump_stacks
+    assert act.why.startswith("libtpu reported a hang on host 2: E1128 Megascale hang detected")
+    assert sorted(act.hosts) == [0, 1, 2, 3]
+
+
+def test_a_lost_host_takes_its_slice_and_is_the_one_blamed():
+    w = watch(4)
+    for i in range(4):
+        w.on_reply(i, reply(lines=["step"]), 1.0, 1001.0)
+    w.on_gone(3, Cause.NODE_LOST, "node lost")
+    w.on_reply(2, reply(code=1, ended=1001.5), 2.0, 1001.5)  # its peer's collective broke first
+    for i in (0, 1):
+        w.on_reply(i, reply(code=143, ended=1002.0), 2.0, 1002.0)
+    a = w.result("/l", 2.0, {})
+    assert a.first_failure.process_index == 3 and a.outcome is Outcome.LOST
+    assert a.hosts[2].went_with == 3 and a.hosts[2].preempted == "its slice went (host 3 lost: node lost)"
+    assert a.hosts[2].failed and a.hosts[0].went_with is None  # slice 0 stays a slice of its own
+    assert {a.hosts[i].slice_index for i in range(4) if a.hosts[i].lost or a.hosts[i].preempted} == {1}
+
+
+def test_libtpus_hang_flags_go_first_and_the_hosts_own_flags_win():
+    from tpulaunch.plan.env import libtpu_args, megascale_hang_flags
+
+    ours = megascale_hang_flags(20.0)
+    assert ours == "--megascale_abort_on_hangs=true --megascale_graph_hang_threshold=20s"
+    assert megascale_hang_flags(None) == "--megascale_abort_on_hangs=true"
+    assert libtpu_args(ours, "--megascale_abort_on_hangs=false --xla_tpu_x=1") == (
+        ours + " --megascale_abort_on_hangs=false --xla_tpu_x=1")  # absl: the last of a flag wins: theirs
+    assert libtpu_args(None, " --a=1 ") == "--a=1" and libtpu_args(None, None) is None
