@@ -10,7 +10,8 @@ lockfile; then a cluster of two slices (`cluster up --tpu A --tpu B
 --head local`), where a multislice run loses one slice and only that one is made again, then the
 other with the budget spent (exit 75); then, A made again by hand and joined, an elastic run
 (`--min-slices 1`) that goes on on A while B is re-created, then grows back to both; last, on the
-cluster it leaves, a stockout on re-create (exit 75: still waiting for capacity), and `cluster down`
+cluster it leaves, a stockout on re-create (exit 75: still waiting for capacity); the slice it left
+waiting, and one a stopped run was making again, brought back by `cluster repair`; and `cluster down`
 leaves nothing behind.
 """
 
@@ -418,7 +419,56 @@ def test_a_stockout_on_recreate_ends_the_run_saying_it_is_still_waiting_for_capa
     assert "--preemption-wait 4" in final["note"] and "the zone has no capacity for it now" in final["note"]
     creates_after = [e for e in cloud["api"].events[cloud["api"].events.index("stockout True"):] if e.startswith("create")]
     assert creates_after == [f"create {MS[0]}"]  # made again once, and left waiting; ms-b left alone
-    down = cli(cloud, "cluster", "down", "--json", timeout=120)  # ms-a is gone: down still ends ms-b and the head
+
+
+def test_a_slice_a_stopped_run_was_making_again_is_repaired_and_the_next_run_finds_it_whole(cluster):
+    """A re-creation belongs to the cluster: ms-a's queued resource, asked again by the run before and
+    left waiting for capacity, is `not_whole` in `cluster status` (with `cluster repair` named), a
+    multislice run is refused meanwhile; `cluster repair` waits for it, sets it up and joins it. Then
+    the same after `tpulaunch stop` ends a run while it makes ms-b again (exit 143): repaired, and the
+    next run starts on both slices at once."""
+    cloud, api = cluster, cluster["api"]
+    st = json.loads(cli(cloud, "cluster", "status", "--json").stdout)
+    assert MS[0] in st["not_whole"] and MS[1] not in st["not_whole"], st
+    plain = cli(cloud, "cluster", "status")
+    assert f"slice {MS[0]}: " in plain.stderr and "`tpulaunch cluster repair` brings it back" in plain.stderr
+    refused = cli(cloud, "run", "train.py", "--address", "auto", "--framework", "none", "--num-slices", "2",
+                  "--detach", timeout=120)
+    assert refused.returncode != 0 and "cluster repair" in refused.stderr, refused.stderr
+    api.set_capacity(stockout=False)
+    fixed = cli(cloud, "cluster", "repair", "--timeout", "240", "--json", timeout=300)
+    assert fixed.returncode == 0, fixed.stderr
+    assert json.loads(fixed.stdout)["repaired"] == [MS[0]]
+    assert json.loads(cli(cloud, "cluster", "status", "--json").stdout)["not_whole"] == {}
+
+    run_id = submit(cloud, "--num-slices", "2", "--max-preemptions", "1", "--preemption-wait", "240")
+    wait_for_checkpoints(cloud, run_id, step=2)
+    api.set_capacity(stockout=True)
+    mark = len(api.events)
+    preempt(cloud, MS[1])
+    end = time.monotonic() + 120
+    while f"create {MS[1]}" not in api.events[mark:]:  # the run asked for ms-b again, and waits for capacity
+        assert time.monotonic() < end, api.events[mark:]
+        time.sleep(0.2)
+    stop = cli(cloud, "stop", run_id, timeout=120)
+    assert stop.returncode == 0, stop.stderr
+    assert wait_for_end(cloud, run_id, 120).returncode == ExitCode.TERMINATED
+    st = json.loads(cli(cloud, "cluster", "status", "--json").stdout)
+    assert list(st["not_whole"]) == [MS[1]], st
+    api.set_capacity(stockout=False)
+    fixed = cli(cloud, "cluster", "repair", "--timeout", "240", "--json", timeout=300)
+    assert fixed.returncode == 0 and json.loads(fixed.stdout)["repaired"] == [MS[1]], fixed.stderr
+    assert api.events[mark:].count(f"create {MS[1]}") == 1  # the queued resource the run asked for, not another
+    run_id = submit(cloud, "--num-slices", "2", "--max-preemptions", "1")  # runs on both slices at once
+    wait_for_checkpoints(cloud, run_id, step=2)  # (a first attempt runs until stopped)
+    assert status_doc(cloud["env"], run_id)["attempt"] == 0
+    assert cli(cloud, "stop", run_id, timeout=120).returncode == 0
+
+
+def test_cluster_down_leaves_nothing_behind_with_a_slice_gone(cluster):
+    cloud = cluster
+    preempt(cloud, MS[0])  # no run to bring it back: down still ends ms-b and the head
+    down = cli(cloud, "cluster", "down", "--json", timeout=120)
     assert down.returncode == 0, down.stderr
     hosts = json.loads(down.stdout)["hosts"]
     assert hosts[f"{MS[0]}/0"]["gone"] and not hosts[f"{MS[1]}/0"].get("gone") and hosts[f"{MS[1]}/0"]["stopped"] > 0
