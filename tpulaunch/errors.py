@@ -20,6 +20,7 @@ class ExitCode:
     PREFLIGHT = 78  # the checks before any script (versions, ports, chips, ids) found a problem (EX_CONFIG)
     BOOT_FAILED = 86  # a host could not boot its framework or build the mesh
     TPU_BUSY = 87  # a leftover process holds a host's TPU
+    REHEARSAL = 88  # `run --rehearse`: a program does not fit the target TPU's memory, or its compiler refuses it
     TIMEOUT = 124  # --timeout or --stall-timeout ran out (as timeout(1) exits)
     INTERRUPTED = 130  # SIGINT
     TERMINATED = 143  # SIGTERM
@@ -75,6 +76,13 @@ class StateError(TpulaunchError):
     record, a token file others can read, a state directory that is not one. Nothing is touched."""
 
     exit_code = ExitCode.STATE
+
+
+class RehearsalError(TpulaunchError):
+    """`run --rehearse`: a program of the script would fail on the target TPU (it does not fit the
+    chip's HBM, or libtpu's compiler refuses it), found before the CPU ran it."""
+
+    exit_code = ExitCode.REHEARSAL
 
 
 class MeshMismatchError(MeshError):

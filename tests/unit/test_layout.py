@@ -24,7 +24,9 @@ ALLOWED = {
     # where slices come from (emulated, TPU VMs, GKE): the seam run/ and cli/ ask, over the stages below it
     "providers": {"plan", "discover", "cluster", "provision", "gcloud", "kube"},
     "run": {"plan", "discover", "cluster", "host", "provision", "providers"},
-    "cli": {"plan", "discover", "cluster", "host", "run", "gcloud", "provision", "providers", "kube"},
+    "cli": {"plan", "discover", "cluster", "host", "run", "gcloud", "provision", "providers", "kube", "rehearse"},
+    # `run --rehearse`: the plan's programs compiled for the target TPU, in a process that runs the script as a host does
+    "rehearse": {"plan", "host"},
     "ray_train": {"plan", "discover", "cluster", "host"},  # Ray Train's backend: run's twin for trainers
 }
 # Below every stage: typed errors (plan too), and for the stages that do I/O the one reader of

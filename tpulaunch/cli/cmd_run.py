@@ -246,6 +246,11 @@ def run_cmd(
     kubeconfig: Optional[str] = opt.KUBECONFIG,
     context: Optional[str] = opt.CONTEXT,
     namespace: Optional[str] = opt.NAMESPACE,
+    rehearse: bool = typer.Option(False, "--rehearse",
+                                  help="Instead of launching: run the script once here, in one process holding the"
+                                       " slice's devices, compiling every XLA program for the target TPU (libtpu)"
+                                       " before the CPU runs it; a table of each program's HBM and collectives; exit"
+                                       " 88 when one would not fit. Needs tpulaunch[rehearse]. JAX only."),
     dry_run: bool = opt.DRY_RUN,
     json_out: bool = opt.JSON,
 ) -> None:
@@ -269,6 +274,7 @@ def run_cmd(
         recreate=recreate, cpu_devices=cpu_devices, replace_hung=replace_hung,
         keep_cluster=keep_cluster, idle_timeout=idle_timeout, compile_cache=compile_cache,
         no_compile_cache=no_compile_cache, python=python, min_slices=min_slices, grow_after=grow_after,
+        rehearse=rehearse,
     )
     if gke:
         from tpulaunch.kube import KubeTarget
@@ -330,6 +336,8 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     """Shared by `run` and `exec`: plan, maybe print, launch (here, or on the cluster's head), report."""
     from tpulaunch.run import runner
 
+    if req.rehearse:
+        return _rehearse(out, req, dry_run=dry_run, detach=detach)
     show = parse_hosts(hosts)
     where = runner.choose(req, detach=detach, dry_run=dry_run)
     cluster = where.target.cluster
@@ -359,6 +367,40 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     summary = where.run(prep, conn, sink, debug=debug_enabled())
     report(out, summary, sink)
     return summary.exit_code
+
+
+def _rehearse(out: Output, req: run.LaunchRequest, *, dry_run: bool, detach: bool) -> int:
+    """`run --rehearse`: the plan (no cluster), then the script once in the rehearsal process, every
+    program compiled for the target TPU first (`tpulaunch.rehearse`); its table, or `--json`."""
+    from tpulaunch import rehearse
+    from tpulaunch.run.prepare import Target, prepare
+
+    if dry_run or detach:
+        raise LaunchError("--rehearse runs the script once, here: it goes without --dry-run and --detach",
+                          "drop --rehearse, or the other flag")
+    prep = prepare(req, Target(None), None, None)
+    plan = prep.plan
+    rehearse.check(plan, rehearse.libtpu_version())
+    for note in (*prep.resolved.topology.notes, *prep.notes):
+        out.info(f"note: {note}")
+    out.info(f"rehearsal: {plan.job.script} for {plan.mesh.num_slices} x {plan.topology.accelerator_type}"
+             f" ({plan.topology.topology}): one process holds its {plan.mesh.num_devices} devices as CPU devices and"
+             f" every program is compiled for the TPU before the CPU runs it")
+    console = out.err if out.json_mode else out.out
+    report = rehearse.rehearse(plan, lambda text: console.print(Text("[rehearsal] ", style="dim") + Text(text),
+                                                                 overflow="ignore", crop=False, soft_wrap=True))
+    if out.json_mode:
+        out.json(report.to_dict())
+    else:
+        out.info(Text(report.header()))
+        for row in report.table():
+            out.line(Text(row))  # program names as JAX gives them, never read as markup
+    end = f"{report.verdict_line()}; saved in {plan.job.log_dir}/rehearsal.json"
+    if report.exit_code:
+        out.error(end)
+    else:
+        out.info(Text(end))
+    return report.exit_code
 
 
 def _notes(out: Output, prep: run.Prepared) -> None:

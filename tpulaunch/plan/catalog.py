@@ -56,6 +56,7 @@ class Generation:
     listed_shapes: tuple[str, ...]  # valid whatever the cube rule says (2D: all of them)
     ray_accelerator: str  # Ray's `accelerator_type:` value, e.g. TPU-V4
     max_cubes: int = 0  # 3D: slices of 4x4x4 cubes up to this many (the whole pod); 0: none
+    hbm_gib: int = 0  # HBM per chip, GiB, as Google publishes it (`run --rehearse` checks programs against it)
 
     @property
     def cores_per_suffix_unit(self) -> int:
@@ -127,16 +128,19 @@ _LITE_SHAPES = ("1x1", "2x2", "2x4", "2x8", "4x4", "4x8", "8x8", "8x16", "16x16"
 GENERATIONS: dict[str, Generation] = {
     g.name: g
     for g in (
-        Generation("v2", "v2", (), 2, 2, "cores", 2, 4, ("2x2",), _V2_SHAPES, "TPU-V2"),
-        Generation("v3", "v3", (), 2, 2, "cores", 2, 4, ("2x2",), _V2_SHAPES + ("16x32", "32x32"), "TPU-V3"),
-        Generation("v4", "v4", (), 2, 1, "cores", 3, 4, ("2x2x1",), SUB_CUBE_SHAPES, "TPU-V4", max_cubes=64),
+        Generation("v2", "v2", (), 2, 2, "cores", 2, 4, ("2x2",), _V2_SHAPES, "TPU-V2", hbm_gib=16),
+        Generation("v3", "v3", (), 2, 2, "cores", 2, 4, ("2x2",), _V2_SHAPES + ("16x32", "32x32"), "TPU-V3",
+                   hbm_gib=32),
+        Generation("v4", "v4", (), 2, 1, "cores", 3, 4, ("2x2x1",), SUB_CUBE_SHAPES, "TPU-V4", max_cubes=64,
+                   hbm_gib=32),
         Generation("v5e", "v5litepod", ("v5litepod", "v5lite", "v5e"), 1, 1, "chips", 2, 4,
-                   ("1x1", "2x2", "2x4"), _LITE_SHAPES, "TPU-V5LITEPOD"),
-        Generation("v5p", "v5p", (), 2, 1, "cores", 3, 4, ("2x2x1",), SUB_CUBE_SHAPES, "TPU-V5P", max_cubes=140),
+                   ("1x1", "2x2", "2x4"), _LITE_SHAPES, "TPU-V5LITEPOD", hbm_gib=16),
+        Generation("v5p", "v5p", (), 2, 1, "cores", 3, 4, ("2x2x1",), SUB_CUBE_SHAPES, "TPU-V5P", max_cubes=140,
+                   hbm_gib=95),
         Generation("v6e", "v6e", ("trillium",), 1, 1, "chips", 2, 4, ("1x1", "2x2", "2x4"), _LITE_SHAPES,
-                   "TPU-V6E"),
+                   "TPU-V6E", hbm_gib=32),
         Generation("v7x", "tpu7x", ("tpu7x", "v7", "ironwood"), 2, 2, "cores", 3, 4, ("2x2x1",), SUB_CUBE_SHAPES,
-                   "TPU-V7X", max_cubes=144),
+                   "TPU-V7X", max_cubes=144, hbm_gib=192),
     )
 }
 

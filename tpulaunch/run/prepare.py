@@ -96,6 +96,7 @@ class LaunchRequest:
     cpu_devices: bool = False  # on a real cluster, CPU devices stand in for the chips (a CI cluster with no TPU)
     keep_cluster: bool = False  # leave an emulated cluster this run starts up for the next runs
     idle_timeout: float = 1800.0  # ... and stop it after this long unused
+    rehearse: bool = False  # compile every program for the target TPU in one process here, instead of launching (`tpulaunch.rehearse`)
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
     if req.cpu_devices and cluster is None:
         raise LaunchError("--cpu-devices is for a real cluster's hosts (--address); with none, the slice is emulated"
                           " on CPU devices anyway", "drop --cpu-devices, or pass --address")
-    if local and cluster is None:
+    if local and cluster is None and not req.rehearse:  # a rehearsal is one process, whatever the hosts
         from tpulaunch.cluster.emulated import check_capacity
 
         check_capacity(resolved.topology.num_hosts * resolved.num_slices)  # this run starts the cluster
@@ -338,6 +339,10 @@ def validate(req: LaunchRequest) -> None:
         raise LaunchError("the command to run is empty", "write it after --, e.g. tpulaunch exec --topology 2x8 -- hostname")
     if not req.command and not req.script.strip():
         raise LaunchError("no script given", "tpulaunch run SCRIPT.py --topology 2x8")
+    if req.rehearse and (req.address is not None or req.python is not None):
+        raise LaunchError(f"--rehearse compiles here, in one process of this Python, and starts no cluster: it goes"
+                          f" without {'--address' if req.address is not None else '--python'}",
+                          "name the slice with --topology/--accelerator (or --tpu)")
     if req.slices.num_slices is not None:
         if req.slices.num_slices < 1:
             raise LaunchError(f"--num-slices {req.slices.num_slices} is not a number of slices", "use 1 or more")
