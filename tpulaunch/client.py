@@ -166,8 +166,8 @@ class Client:
 
         req = _request(script, args, env, topology, accelerator, num_slices, mesh, dcn, self._cluster.address, options)
         where = runner.OnTheHead(self._cluster, runner.Target(self._cluster))
-        where.check(req)
-        return Run(self, where.submit(req, self._api()))
+        checked, _ = where.check(req)
+        return Run(self, where.submit(checked, self._api()))
 
     def run(self, run_id: str) -> Run:
         """A run of this cluster by id, or `last` (the newest)."""

@@ -1,5 +1,5 @@
 """Slice creation as data (`provision.capacity`: the request body against the REST reference) and the
-rules of `--recreate` (`run.recreate`: when a slice must be made again, when the flag is refused, what
+rules of `--recreate` (`run.recovery.recreate`: when a slice must be made again, when the flag is refused, what
 is tried again when its new VMs cannot join), and a plan moved onto a re-created slice's new addresses
 (`LaunchPlan.on_slices`)."""
 
@@ -18,7 +18,7 @@ from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 from tpulaunch.plan.topology import resolve
 from tpulaunch import providers
 from tpulaunch.providers.tpu_vm import must_recreate, qr_id
-from tpulaunch.run.recreate import Comeback, Recreation, RejoinFailed, in_run_order
+from tpulaunch.run.recovery.recreate import Comeback, Recreation, RejoinFailed, in_run_order
 
 P = "projects/p/locations/us-central2-b"
 

@@ -18,7 +18,8 @@ from tpulaunch.plan import torch_tpu
 from tpulaunch.plan.launch import build_plan
 from tpulaunch.plan.mesh import plan_mesh, resize_slices
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
-from tpulaunch.run import elastic, policy
+from tpulaunch.run import policy
+from tpulaunch.run.recovery import elastic
 from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome
 
 pytestmark = pytest.mark.unit

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tpulaunch.run import goodput, timeline
-from tpulaunch.run.trace import chrome_trace
+from tpulaunch.run.record import goodput, timeline
+from tpulaunch.run.record.trace import chrome_trace
 
 STEP_S, SAVE_S = 0.1, 0.2
 

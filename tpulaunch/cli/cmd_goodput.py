@@ -19,7 +19,7 @@ from tpulaunch.cli import app
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output, host_color
 from tpulaunch.errors import TpulaunchError
-from tpulaunch.run import goodput, timeline
+from tpulaunch.run.record import goodput, timeline
 from tpulaunch.run.paths import RunPaths
 
 RUN = typer.Argument("last", metavar="RUN", help="A run's directory, a run id, or `last`.")
@@ -170,7 +170,7 @@ def trace_cmd(run: str = RUN, output: Path = typer.Option(Path("trace.json"), "-
               log_dir: str = LOG_DIR, address: str = ADDRESS) -> None:
     """The run's timeline as a Chrome trace (open it in ui.perfetto.dev or chrome://tracing): a track
     for the launcher and one per host, attempts and start-ups as spans, steps as a counter."""
-    from tpulaunch.run.trace import chrome_trace
+    from tpulaunch.run.record.trace import chrome_trace
 
     out = Output()
     events = load_events(run, log_dir, address)

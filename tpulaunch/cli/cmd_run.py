@@ -78,7 +78,7 @@ def check_hosts(chosen: set[int] | None, hosts: int) -> None:
 
 def _goodput(summary: RunSummary):  # noqa: ANN202 - goodput.Goodput | None
     """The run's goodput from its timeline (None if it has none)."""
-    from tpulaunch.run import goodput, timeline
+    from tpulaunch.run.record import goodput, timeline
     from tpulaunch.run.paths import RunPaths
 
     try:
@@ -342,10 +342,6 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     where = runner.choose(req, detach=detach, dry_run=dry_run)
     cluster = where.target.cluster
     on_slice = cluster is not None and cluster.remote is not None and not cluster.remote.head_here
-    if req.recreate and (isinstance(where, runner.OnTheHead) or dry_run):  # a run here is checked by launch(), once
-        from tpulaunch.run import recreate
-
-        recreate.check(cluster, cluster is None or cluster.emulated, req.max_preemptions)
     if on_slice and req.max_preemptions and cluster is not None:
         out.warn(f"the Ray head runs on worker 0 of TPU '{cluster.remote.tpu}': a preemption of that worker"
                  " ends the run whatever --max-preemptions allows; `tpulaunch cluster up --tpu NAME --head local`"
@@ -418,7 +414,7 @@ def _notes(out: Output, prep: run.Prepared) -> None:
             f" {plan.topology.accelerator_type} ({plan.topology.topology}) on the cluster's {len(plan.hosts)} hosts;"
             " this is not a TPU run"
         )
-    if not prep.request.command:
+    if not prep.plan.job.command:
         out.info(f"framework: {plan.framework} ({prep.framework_reason})")
 
 
@@ -428,12 +424,12 @@ def _on_the_head(out: Output, req: run.LaunchRequest, where, show: set[int] | No
     return at once (--detach), or follow its output until it ends and exit with its code."""
     from tpulaunch.run import detached
 
-    prep = where.check(req)
+    checked, prep = where.check(req)
     if prep is not None:
         check_hosts(show, len(prep.plan.hosts))
     api = where.api()
     t0 = time.monotonic()
-    run_id = where.submit(req, api)
+    run_id = where.submit(checked, api)
     took = time.monotonic() - t0
     address = where.cluster.address
     if not follow:

@@ -167,7 +167,8 @@ def status_cmd(run: str = RUN, address: str = ADDRESS,
 
 def _goodput_line(api, job) -> str | None:  # noqa: ANN001
     """Goodput so far of a detached run, from its timeline on the head."""
-    from tpulaunch.run import detached, goodput, timeline
+    from tpulaunch.run import detached
+    from tpulaunch.run.record import goodput, timeline
 
     if not job.driver_node_id:
         return None

@@ -1,5 +1,5 @@
 """Emulated slices: Ray nodes on this machine, one per host. A lost host is started again by the
-wait for its slice (`run.elastic.wait_whole`), as a repaired TPU VM rejoins: nothing to re-create."""
+wait for its slice (`run.recovery.elastic.wait_whole`), as a repaired TPU VM rejoins: nothing to re-create."""
 
 from __future__ import annotations
 

@@ -420,7 +420,7 @@ class StatusFile:
 
     def finished(self, summary) -> None:  # noqa: ANN001 - a RunSummary
         """The end: the state and exit code the run ended with."""
-        from tpulaunch.run.launch import attempts_brief
+        from tpulaunch.run.summary import attempts_brief
         from tpulaunch.run.summary import Outcome
 
         state = {Outcome.OK: RunState.SUCCEEDED, Outcome.INTERRUPTED: RunState.STOPPED}.get(summary.outcome, RunState.FAILED)

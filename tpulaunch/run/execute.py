@@ -28,7 +28,8 @@ from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.run import watch as W
 from tpulaunch.run.fleet import Fleet, RayFleet, Reply, node_death, reachable, why_agent_died
 from tpulaunch.run.paths import RunPaths
-from tpulaunch.run.timeline import Timeline
+from tpulaunch.run.record.events import Event
+from tpulaunch.run.record.timeline import Timeline
 from tpulaunch.run.status import RunState, RunView
 from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome
 
@@ -53,6 +54,7 @@ class Sink:
 
 class Interrupts(Protocol):
     received: int | None  # the signal received (SIGINT/SIGTERM), if any
+    raise_now: bool  # a signal raises at once (nothing runs that must be stopped first) instead of being noted
 
 
 @dataclass(frozen=True)
@@ -275,15 +277,15 @@ def drive(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink, log
     timeline = timeline or Timeline(None)
     options = host_options(plan, limits)
     if limits.preflight:
-        timeline.emit("preflight_start", attempt=plan.attempt)
+        timeline.emit(Event.PREFLIGHT_START, attempt=plan.attempt)
         ok = _preflight(plan, fleet, options, watch, sink, timings, limits)
-        timeline.emit("preflight_end", attempt=plan.attempt, ok=ok)
+        timeline.emit(Event.PREFLIGHT_END, attempt=plan.attempt, ok=ok)
         if not ok:
             return False
     started = fleet.start(plan.states(), options, limits.schedule_timeout_s)
     now = time.time()
     for host, s in enumerate(started):
-        timeline.emit("host_start", now, attempt=plan.attempt, host=host, prewarmed=s.prewarmed)
+        timeline.emit(Event.HOST_START, now, attempt=plan.attempt, host=host, prewarmed=s.prewarmed)
     timings["agents_s"] = time.time() - t0
     warm = sum(1 for s in started if s.prewarmed)
     timings["prewarmed_hosts"] = warm

@@ -23,6 +23,7 @@ from tpulaunch.host import frameworks
 from tpulaunch.plan import torch_tpu
 from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache, new_run_id, parse_env
 from tpulaunch.plan.mesh import MAX_SLICES, plan_mesh
+from tpulaunch.run.supervision import Supervision
 
 WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "node_modules"]
 
@@ -86,7 +87,7 @@ class LaunchRequest:
     max_preemptions: int = 0  # relaunches after a host was lost or preempted
     preemption_wait: float = 600.0  # how long to wait for the slice to be whole again
     preemption_grace: float = 30.0  # a preempted script's time between SIGTERM and SIGKILL
-    recreate: bool = False  # a preempted slice is made again through the Cloud TPU API (`run.recreate`)
+    recreate: bool = False  # a preempted slice is made again through the Cloud TPU API (`run.recovery.recreate`)
     replace_hung: bool = False  # a hang's culprit slices are replaced (a spare, re-created, or dropped) and the run restarts
     compile_cache: str | None = None  # persistent compilation cache dir; None: the default one
     no_compile_cache: bool = False
@@ -100,12 +101,26 @@ class LaunchRequest:
 
 
 @dataclass(frozen=True)
+class Checked:
+    """A request after `check`: its values judged once (exit 2 otherwise), its working directory and
+    script found, its `--env` parsed, its supervision grouped. What every later step takes."""
+
+    request: LaunchRequest
+    workdir: Path
+    script: str  # inside the working directory (the command's first word for `exec`)
+    user_env: dict[str, str]
+    supervision: Supervision
+
+
+@dataclass(frozen=True)
 class Prepared:
+    """What `launch` needs, and all it reads: the plan, how to supervise it, the cluster."""
+
     plan: LaunchPlan
     resolved: discover.ResolvedSlices
     cluster: ClusterInfo | None  # an existing cluster to run on (None: start an emulated one)
     framework_reason: str
-    request: LaunchRequest
+    supervision: Supervision
     runtime_env: dict | None  # the working directory Ray ships to every real host (checked for size)
     notes: tuple[str, ...] = ()
 
@@ -145,9 +160,19 @@ def head_python(cluster: ClusterInfo) -> str | None:
     return cluster.remote.head_python if cluster.remote else None
 
 
-def check_script(req: LaunchRequest) -> str:
-    """The script's path inside the working directory (checked: it exists, it is inside)."""
+def check(req: LaunchRequest | Checked) -> Checked:
+    """The request checked once, before anything starts or is submitted (a `Checked` is returned as it is)."""
+    if isinstance(req, Checked):
+        return req
+    user_env = validate(req)
     workdir = checked_workdir(req)
+    script = req.script if req.command else check_script(req, workdir)
+    return Checked(req, workdir, script, user_env, Supervision.of(req))
+
+
+def check_script(req: LaunchRequest, workdir: Path | None = None) -> str:
+    """The script's path inside the working directory (checked: it exists, it is inside)."""
+    workdir = workdir or checked_workdir(req)
     path = Path(req.script)
     full = path if path.is_absolute() else (Path.cwd() / path)
     if not full.is_file():
@@ -180,15 +205,15 @@ def checked_workdir(req: LaunchRequest) -> Path:
     return workdir
 
 
-def shipped_workdir(req: LaunchRequest) -> dict | None:
+def shipped_workdir(checked: LaunchRequest | Checked) -> dict | None:
     """The `runtime_env` that ships the working directory to real hosts, after its size check.
 
     Checked for emulated runs too, before anything starts: a rehearsal refuses what the slice would.
     """
-    validate(req)
+    c = check(checked)
+    req, workdir = c.request, c.workdir
     if not req.ship_workdir:
         return None
-    workdir = checked_workdir(req)
     from tpulaunch.cluster.record import state_dir
 
     # The run's own logs and tpulaunch's state (its token) never travel with the code: they change
@@ -206,15 +231,15 @@ def _relative(path: Path, root: Path) -> str | None:
     return "/" + rel.as_posix() if rel.parts else None
 
 
-def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | None,
+def prepare(checked: LaunchRequest | Checked, target: Target, seen: discover.ClusterSlices | None,
             runtime_env: dict | None) -> Prepared:
-    """The request, what its cluster holds (`seen`) and the shipped working directory -> the plan.
+    """The request, what its cluster holds (`seen`) and the shipped working directory -> the plan,
+    and the supervision checked against the cluster it goes to.
 
     Starts and connects nothing (discovery may ask the Cloud TPU API or the metadata server).
     """
-    validate(req)
-    workdir = checked_workdir(req)
-    script = req.script if req.command else check_script(req)
+    c = check(checked)
+    req, workdir, script = c.request, c.workdir, c.script
     cluster = target.cluster
     resolved = discover.resolve(req.slices, seen)
     local = (resolved.emulated and cluster is None) or (cluster is not None and cluster.emulated)
@@ -241,7 +266,7 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
     port = req.coordinator_port or (free_port() if local else (torch_tpu.MASTER_PORT if fw == "torch_tpu" else 8476))
     plan = build_plan(
         slices=list(resolved.slices), mesh=mesh, script=script, args=req.args, framework=fw,
-        user_env=parse_env(list(req.env)), run_id=run_id, coordinator_port=port,
+        user_env=c.user_env, run_id=run_id, coordinator_port=port,
         group_port=free_port() if local else port + 2,  # tpulaunch's own gloo group, apart from MASTER_PORT
         jax_coordinator_port=(free_port() if local else port + 1) if fw == "jax" else None,
         emulated=emulated, emulation_env=frameworks.get(fw).emulation_env(resolved.topology, resolved.num_slices),
@@ -257,7 +282,7 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
             req.compile_cache or default_compile_cache(fw, resolved.topology, resolved.num_slices, emulated)),
     )
     if req.min_slices is not None:
-        from tpulaunch.run import elastic
+        from tpulaunch.run.recovery import elastic
 
         elastic.check(plan, req.min_slices)
         if not req.max_preemptions:
@@ -266,7 +291,8 @@ def prepare(req: LaunchRequest, target: Target, seen: discover.ClusterSlices | N
     if req.grow_after is not None and (req.min_slices is None or not math.isfinite(req.grow_after) or req.grow_after < 0):
         raise LaunchError(f"--grow-after {req.grow_after:g} needs --min-slices and 0 or more seconds",
                           "e.g. --min-slices 1 --grow-after 60 (default: grow at the first checkpoint)")
-    return Prepared(plan, resolved, cluster, reason, req, runtime_env, (*resolved.notes, *target.notes))
+    c.supervision.check(cluster, local)
+    return Prepared(plan, resolved, cluster, reason, c.supervision, runtime_env, (*resolved.notes, *target.notes))
 
 
 def check_python(python: str, emulated: bool) -> None:
@@ -311,8 +337,9 @@ MAX_COUNT = 1_000_000  # restarts, preemptions
 MAX_PATH = 4096  # PATH_MAX
 
 
-def validate(req: LaunchRequest) -> None:
-    """Values Typer parses but cannot judge, checked before anything else happens (exit 2)."""
+def validate(req: LaunchRequest) -> dict[str, str]:
+    """Values Typer parses but cannot judge, checked before anything else happens (exit 2); the
+    parsed `--env`."""
     positive = [("--schedule-timeout", req.schedule_timeout, "seconds"), ("--max-upload-mb", req.max_upload_mb, "MiB"),
                 ("--idle-timeout", req.idle_timeout, "seconds"),
                 ("--timeout", req.timeout, "seconds"), ("--stall-timeout", req.stall_timeout, "seconds")]
@@ -322,7 +349,7 @@ def validate(req: LaunchRequest) -> None:
     for flag, count in (("--max-restarts", req.max_restarts), ("--max-preemptions", req.max_preemptions)):
         if not 0 <= count <= MAX_COUNT:  # compared as ints: a 400-digit count is one line, not an overflow
             raise LaunchError(f"--{flag.lstrip('-')} {str(count)[:20]}{'...' if len(str(count)) > 20 else ''} is not"
-                              f" a count from 0 to {MAX_COUNT}", "use 0 or more")
+                              f" a count from 0 to {MAX_COUNT}", f"use a count from 0 to {MAX_COUNT}")
     for flag, value in (("--preemption-wait", req.preemption_wait), ("--preemption-grace", req.preemption_grace)):
         if not math.isfinite(value) or value < 0:
             raise LaunchError(f"{flag} {value:g} is not a number of 0 or more", "use 0 or more")
@@ -356,6 +383,7 @@ def validate(req: LaunchRequest) -> None:
     user_env = parse_env(list(req.env))
     for name, default in settings.HOST_SECONDS.items():
         settings.seconds(name, default, user_env.get(name, os.environ.get(name, "")))
+    return user_env
 
 
 _PSEUDO_FS = ("/proc", "/sys", "/dev")

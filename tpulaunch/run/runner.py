@@ -20,7 +20,7 @@ from tpulaunch.errors import LaunchError
 from tpulaunch.run import detached
 from tpulaunch.run.execute import Sink
 from tpulaunch.run.launch import Connection, launch
-from tpulaunch.run.prepare import (LaunchRequest, Prepared, Target, check_script, find_cluster, head_python, is_local,
+from tpulaunch.run.prepare import (Checked, LaunchRequest, Prepared, Target, check, find_cluster, head_python, is_local,
                                    prepare, shipped_workdir)
 from tpulaunch.run.summary import RunSummary
 
@@ -33,11 +33,12 @@ class Here:
 
     def prepare(self, req: LaunchRequest) -> tuple[Prepared, Connection]:
         """The plan, and the one connection the run will use (closed here if planning fails)."""
+        c = check(req)
         real = self.target.cluster is not None and not self.target.cluster.emulated
-        ship = shipped_workdir(req)  # checked even when not shipped: a rehearsal refuses what the slice would
+        ship = shipped_workdir(c)  # checked even when not shipped: a rehearsal refuses what the slice would
         conn = Connection(self.target, ship if real else None)
         try:
-            return prepare(req, self.target, conn.cluster_slices(req), conn.runtime_env), conn
+            return prepare(c, self.target, conn.cluster_slices(req), conn.runtime_env), conn
         except BaseException:
             conn.close()
             raise
@@ -56,21 +57,23 @@ class OnTheHead:
     def api(self) -> JobApi:
         return detached.job_api(self.cluster)
 
-    def check(self, req: LaunchRequest) -> Prepared | None:
-        """Everything this machine can check before submitting: the whole plan when the head is
-        here (then the plan is returned), else the script."""
+    def check(self, req: LaunchRequest) -> tuple[Checked, Prepared | None]:
+        """Everything this machine can check before submitting (the CLI and the client alike): the
+        request's values, script and working directory, and what its recovery needs of the cluster;
+        the whole plan too when the head is here (then it is returned)."""
+        c = check(req)
         if not is_local(self.cluster):
-            check_script(req)
-            return None
+            c.supervision.check(self.cluster, local=False)
+            return c, None
         conn = Connection(self.target, None)  # planning ships nothing
         try:
-            return prepare(req, self.target, conn.cluster_slices(req), shipped_workdir(req))
+            return c, prepare(c, self.target, conn.cluster_slices(req), shipped_workdir(c))
         finally:
             conn.close()
 
-    def submit(self, req: LaunchRequest, api: JobApi | None = None) -> str:
-        """Submit; the run's id."""
-        return detached.submit(req, self.cluster, api or self.api(), runtime_env=shipped_workdir(req),
+    def submit(self, checked: Checked, api: JobApi | None = None) -> str:
+        """Submit a checked request; the run's id."""
+        return detached.submit(checked.request, self.cluster, api or self.api(), runtime_env=shipped_workdir(checked),
                                python=head_python(self.cluster))
 
 

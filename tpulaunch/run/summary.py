@@ -184,3 +184,15 @@ def exit_code_for(outcome: Outcome, first: HostResult | None, signum: int | None
         Outcome.PREFLIGHT: ExitCode.PREFLIGHT,
         Outcome.GROWN: ExitCode.OK,
     }[outcome]
+
+
+def attempts_brief(attempts: list[Attempt]) -> tuple[dict, ...]:
+    """Each attempt in a line's worth of data (status shows the history)."""
+    out = []
+    for a in attempts:
+        out.append({"index": a.index, "outcome": str(a.outcome), "exit_code": a.exit_code, "who": a.who,
+                    "log_dir": a.log_dir, "reason": a.reason, "slices": list(a.slices),
+                    **({"recreated": [r.to_dict() for r in a.recreated]} if a.recreated else {}),
+                    **({"hang": a.hang.to_dict()} if a.hang is not None else {}),
+                    **({"replaced": list(a.replaced)} if a.replaced else {})})
+    return tuple(out)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tpulaunch.run.record.events import Event
+
 LAUNCHER = 0
 
 
@@ -36,31 +38,31 @@ def chrome_trace(events: list[dict]) -> dict:
     opened: dict[tuple[str, Any], dict] = {}
     for e in ev:
         k = e["kind"]
-        if k in ("cluster_start", "attempt_start", "recreate_start", "preflight_start"):
-            opened[(k.rsplit("_", 1)[0], e.get("attempt"))] = e
-        elif k in ("cluster_ready", "attempt_end", "recreate_end", "preflight_end"):
-            base = {"cluster_ready": "cluster"}.get(k, k.rsplit("_", 1)[0])
+        if k in (Event.CLUSTER_START, Event.ATTEMPT_START, Event.RECREATE_START, Event.PREFLIGHT_START):
+            opened[(Event(k).span, e.get("attempt"))] = e
+        elif k in (Event.CLUSTER_READY, Event.ATTEMPT_END, Event.RECREATE_END, Event.PREFLIGHT_END):
+            base = "cluster" if k == Event.CLUSTER_READY else Event(k).span
             start = opened.pop((base, e.get("attempt")), None)
             if start is not None:
                 name = {"cluster": f"cluster ({e.get('how', '')})", "attempt": f"attempt {e.get('attempt')}",
                         "recreate": "re-create " + ",".join(e.get("slices") or []), "preflight": "preflight"}[base]
                 span(name, start["t"], e["t"], LAUNCHER, **{x: y for x, y in e.items() if x not in ("t", "kind")})
-        elif k == "step":
+        elif k == Event.STEP:
             out.append({"ph": "C", "name": f"step (host {e['host']})", "pid": 1, "tid": e["host"] + 1,
                         "ts": _us(e["t"], t0), "args": {"step": e["step"]}})
-        elif k == "checkpoint":
+        elif k == Event.CHECKPOINT:
             out.append({"ph": "i", "s": "t", "name": f"checkpoint {e['step']}", "pid": 1, "tid": e["host"] + 1,
                         "ts": _us(e["t"], t0), "args": {"save_s": e.get("save_s")}})
-        elif k == "run_end":
+        elif k == Event.RUN_END:
             out.append({"ph": "i", "s": "p", "name": f"end: {e.get('outcome')} (exit {e.get('exit_code')})",
                         "pid": 1, "tid": LAUNCHER, "ts": _us(e["t"], t0)})
     # each host's start-up and stepping, per attempt
-    for a in sorted({e["attempt"] for e in ev if e["kind"] == "attempt_start"}):
+    for a in sorted({e["attempt"] for e in ev if e["kind"] == Event.ATTEMPT_START}):
         for h in hosts:
             mine = [e for e in ev if e.get("attempt") == a and e.get("host") == h]
-            start = next((e["t"] for e in mine if e["kind"] == "host_start"), None)
-            first = next((e["t"] for e in mine if e["kind"] == "step"), None)
-            end = next((e for e in mine if e["kind"] == "host_end"), None)
+            start = next((e["t"] for e in mine if e["kind"] == Event.HOST_START), None)
+            first = next((e["t"] for e in mine if e["kind"] == Event.STEP), None)
+            end = next((e for e in mine if e["kind"] == Event.HOST_END), None)
             if start is not None and first is not None:
                 span("start-up", start, first, h + 1, attempt=a)
             if end is not None:

@@ -22,7 +22,7 @@ from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.plan.mesh import elastic_axis
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.plan.topology import Topology
-from tpulaunch.run.recreate import Comeback
+from tpulaunch.run.recovery.recreate import Comeback
 from tpulaunch.run.summary import Recreation
 
 

@@ -14,7 +14,12 @@ Every event has `t` (the launcher's clock, `time.time()`) and `kind`:
     host_end        {attempt, host, step, exit_code, failed}   at the host process's end
     attempt_end     {attempt, outcome, exit_code, host, why}
     recreate_start / recreate_end   {slices, ok}
+    replace_start / replace_end     {slices, ok[, why]}    --replace-hung
+    swap            {slices, spares}               spares took lost or hung slices' places
+    shrink / grow   {attempt, slices, lost | back}  an elastic run's resizes
     run_end         {outcome, exit_code}
+
+The kinds are `events.Event`'s members: `emit` takes nothing else.
 
 Steps are sampled per host: the first of each attempt, then at most one every
 max(0.5 s, the attempt's stepping time so far / 100), so a million steps cost kilobytes; the last
@@ -29,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tpulaunch.run.record.events import Event
+
 MIN_GAP_S = 0.5
 SAMPLES = 100  # the gap grows with the attempt's stepping time: ~100 samples a decade of it
 
@@ -41,10 +48,12 @@ class Timeline:
         self._lock = threading.Lock()
         self._steps: dict[tuple[int, int], dict[str, Any]] = {}  # (attempt, host) -> sampling state
 
-    def emit(self, kind: str, t: float | None = None, **fields: Any) -> None:
+    def emit(self, kind: Event, t: float | None = None, **fields: Any) -> None:
+        if not isinstance(kind, Event):
+            raise TypeError(f"a timeline event's kind is an Event, not {kind!r}")
         if self.path is None:
             return
-        line = json.dumps({"t": round(time.time() if t is None else t, 3), "kind": kind, **fields})
+        line = json.dumps({"t": round(time.time() if t is None else t, 3), "kind": kind.value, **fields})
         with self._lock, open(self.path, "a") as f:
             f.write(line + "\n")
 
@@ -58,12 +67,12 @@ class Timeline:
         if s["first_t"] is None and reply.first_step is not None:
             first, age = reply.first_step
             s["first_t"] = now - age
-            self.emit("step", now - age, attempt=attempt, host=host, step=first, first=True)
+            self.emit(Event.STEP, now - age, attempt=attempt, host=host, step=first, first=True)
             s["last"], s["last_t"] = first, now - age
         saved = reply.checkpoint
         if saved is not None and saved[0] != (s["ckpt"] or (None,))[0]:
             s["ckpt"] = saved
-            self.emit("checkpoint", now - saved[2], attempt=attempt, host=host, step=saved[0], save_s=saved[1])
+            self.emit(Event.CHECKPOINT, now - saved[2], attempt=attempt, host=host, step=saved[0], save_s=saved[1])
         step, at = reply.step, now - reply.step_age
         if step is None or step == s["seen"]:
             return
@@ -73,14 +82,14 @@ class Timeline:
         gap = max(MIN_GAP_S, (at - s["first_t"]) / SAMPLES)
         if s["last"] is None or (step != s["last"] and at - s["last_t"] >= gap):
             s["last"], s["last_t"] = step, at
-            self.emit("step", at, attempt=attempt, host=host, step=step)
+            self.emit(Event.STEP, at, attempt=attempt, host=host, step=step)
 
     def attempt_over(self, attempt: int) -> None:
         """The last step each host was seen at, if the sampling skipped it."""
         for (a, host), s in sorted(self._steps.items()):
             if a == attempt and s["seen"] is not None and s["seen"] != s["last"]:
                 s["last"], s["last_t"] = s["seen"], s["seen_t"]
-                self.emit("step", s["seen_t"], attempt=attempt, host=host, step=s["seen"])
+                self.emit(Event.STEP, s["seen_t"], attempt=attempt, host=host, step=s["seen"])
 
 
 def read(path: Path) -> list[dict]:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tpulaunch.run.record.events import Event
+
 SCHEMA = "tpulaunch.goodput/v1"
 BUCKETS = ("provisioning", "cluster_start", "preflight", "host_start", "startup_to_first_step", "productive",
            "checkpoint", "wasted_progress", "recovery", "script", "idle")
@@ -99,8 +101,8 @@ def _interp(samples: list[tuple[float, int]], step: float) -> float | None:
 def analyze(events: list[dict], now: float | None = None) -> Goodput:
     """The buckets of a run (or of a run going on, up to `now`)."""
     ev = sorted(events, key=lambda e: e["t"])
-    first = next((e for e in ev if e["kind"] == "run_start"), ev[0] if ev else {"t": 0.0})
-    end = next((e for e in reversed(ev) if e["kind"] == "run_end"), None)
+    first = next((e for e in ev if e["kind"] == Event.RUN_START), ev[0] if ev else {"t": 0.0})
+    end = next((e for e in reversed(ev) if e["kind"] == Event.RUN_END), None)
     t_start = float(first["t"])
     t_end = float(end["t"]) if end else (time.time() if now is None else now)
     b = {k: 0.0 for k in BUCKETS}
@@ -118,25 +120,25 @@ def analyze(events: list[dict], now: float | None = None) -> Goodput:
                 opened = None
         return out
 
-    b["provisioning"] = spans("capacity_requested", "capacity_ready")
-    if not any(e["kind"] == "capacity_requested" for e in ev):
+    b["provisioning"] = spans(Event.CAPACITY_REQUESTED, Event.CAPACITY_READY)
+    if not any(e["kind"] == Event.CAPACITY_REQUESTED for e in ev):
         unseen["provisioning"] = "this run requested no capacity (its slices were there before it, or emulated)"
-    b["cluster_start"] = spans("cluster_start", "cluster_ready")
+    b["cluster_start"] = spans(Event.CLUSTER_START, Event.CLUSTER_READY)
 
-    attempts = sorted({e["attempt"] for e in ev if e["kind"] == "attempt_start"})
+    attempts = sorted({e["attempt"] for e in ev if e["kind"] == Event.ATTEMPT_START})
     by = {a: [e for e in ev if e.get("attempt") == a] for a in attempts}
     out_attempts: list[dict] = []
     failed_at: float | None = None  # when the previous attempt's failure happened
     for n, a in enumerate(attempts):
         es = by[a]
-        a_start = next(e["t"] for e in es if e["kind"] == "attempt_start")
-        a_end_e = next((e for e in es if e["kind"] == "attempt_end"), None)
+        a_start = next(e["t"] for e in es if e["kind"] == Event.ATTEMPT_START)
+        a_end_e = next((e for e in es if e["kind"] == Event.ATTEMPT_END), None)
         a_end = a_end_e["t"] if a_end_e else t_end
-        pf_s = spans("preflight_start", "preflight_end", attempt=a)
-        starts = [e["t"] for e in es if e["kind"] == "host_start"]
+        pf_s = spans(Event.PREFLIGHT_START, Event.PREFLIGHT_END, attempt=a)
+        starts = [e["t"] for e in es if e["kind"] == Event.HOST_START]
         hosts_up = max(starts) if starts else a_end
-        steppers = sorted({e["host"] for e in es if e["kind"] == "step"})
-        ends = {e["host"]: e for e in es if e["kind"] == "host_end"}
+        steppers = sorted({e["host"] for e in es if e["kind"] == Event.STEP})
+        ends = {e["host"]: e for e in es if e["kind"] == Event.HOST_END}
         failed_ends = [e["t"] for e in ends.values() if e.get("failed")]
         this_failed = bool(a_end_e and a_end_e.get("outcome") not in ("ok", "interrupted")) and n + 1 < len(attempts)
         row: dict = {"attempt": a, "start": round(a_start - t_start, 3), "end": round(a_end - t_start, 3),
@@ -158,14 +160,14 @@ def analyze(events: list[dict], now: float | None = None) -> Goodput:
                 unseen[k] = "the script never called tpulaunch.heartbeat(step=N)"
             continue
         ref = steppers[0]
-        samples = [(e["t"], int(e["step"])) for e in es if e["kind"] == "step" and e["host"] == ref]
+        samples = [(e["t"], int(e["step"])) for e in es if e["kind"] == Event.STEP and e["host"] == ref]
         end_e = ends.get(ref)
         if end_e and end_e.get("step") is not None:
             samples.append((end_e["t"], int(end_e["step"])))
         ckpts = [(int(e["step"]), float(e.get("save_s") or 0.0)) for e in es
-                 if e["kind"] == "checkpoint" and e["host"] == ref]
+                 if e["kind"] == Event.CHECKPOINT and e["host"] == ref]
         # where this attempt began stepping: its first reported step (as the host timed it)
-        firsts = [(e["t"], int(e["step"])) for e in es if e["kind"] == "step" and e["host"] == ref and e.get("first")]
+        firsts = [(e["t"], int(e["step"])) for e in es if e["kind"] == Event.STEP and e["host"] == ref and e.get("first")]
         s0, t_first = (firsts[0][1], firsts[0][0]) if firsts else (min(s for _, s in samples), min(t for t, _ in samples))
         # a step is reported when it is done: the first one began a step's time earlier (at the
         # later steps' pace: a slow first step, its compile, is start-up)
@@ -183,11 +185,11 @@ def analyze(events: list[dict], now: float | None = None) -> Goodput:
             row["recovery_s"] = round(max(0.0, t_first - failed_at), 3)  # from the last failure to this first step
         resume = None
         if this_failed:
-            nxt = [int(e["step"]) for e in by[attempts[n + 1]] if e["kind"] == "step"]
+            nxt = [int(e["step"]) for e in by[attempts[n + 1]] if e["kind"] == Event.STEP]
             lowest_next = min(nxt) if nxt else None
             marked = [s for s, _ in ckpts if lowest_next is None or s < lowest_next]
             resume = max(marked) if marked else ((lowest_next - 1) if lowest_next is not None else None)
-        saved_at = next((e["t"] for e in es if e["kind"] == "checkpoint" and e["host"] == ref and e["step"] == resume), None)
+        saved_at = next((e["t"] for e in es if e["kind"] == Event.CHECKPOINT and e["host"] == ref and e["step"] == resume), None)
         t_resume = stop if resume is None else min(max(saved_at or _interp(samples, resume) or stop, t_first), stop)
         saves = sum(sec for s, sec in ckpts if resume is None or s <= resume)
         kept = max(0.0, t_resume - t_first)
