@@ -85,6 +85,12 @@ class RehearsalError(TpulaunchError):
     exit_code = ExitCode.REHEARSAL
 
 
+class WaitTimeout(TpulaunchError):
+    """`Run.wait(timeout=...)` ran out before the run ended (the CLI's `wait` exits 124)."""
+
+    exit_code = ExitCode.TIMEOUT
+
+
 class MeshMismatchError(MeshError):
     """The runtime's devices do not match the planned mesh (raised inside a host)."""
 

@@ -43,23 +43,26 @@ CLIENT = """
     out = {}
     run = client.submit("probe.py", topology="2x2x2", accelerator="v5p", args=["3"], env={"TL_PROBE_SECRET": "notebook"}, framework="none")
     out["id"] = run.id
-    out["first_state"] = run.status().state
+    out["first_state"] = str(run.status().state)
     out["lines"] = [line for line in run.logs(follow=True)]
     out["code"] = run.wait(timeout=300)
     out["final"] = run.status().to_dict()
     long = client.submit("probe.py", topology="2x2x2", accelerator="v5p", args=["600"], framework="none")
     import time
-    while long.status().state != "RUNNING":
+    while long.status().state is not tpulaunch.RunState.RUNNING:
         time.sleep(0.3)
     stopped = long.stop()
-    out["stopped"] = [stopped.state, stopped.exit_code, long.wait()]
+    out["stopped"] = [str(stopped.state), stopped.exit_code, long.wait()]
     out["runs"] = [r.id for r in client.runs()][:2]
     try:
         client.submit("probe.py", topology="2x2x2", accelerator="v5p", env={"1BAD": "x"})
-    except tpulaunch.client.TpulaunchError as e:
+    except tpulaunch.TpulaunchError as e:
         out["bad"] = [type(e).__name__, e.exit_code, e.line()]
     summary = tpulaunch.launch("probe.py", topology="2x2x2", accelerator="v5p", args=["1"], address="auto", framework="none")
-    out["launch"] = [summary.exit_code, len(summary.hosts)]
+    out["launch"] = [type(summary).__name__, summary.exit_code, len(summary.hosts)]
+    ended = client.run(out["id"]).summary()  # the first run's summary.json, read back from the head
+    out["summary"] = [ended.exit_code, str(ended.outcome), [str(a.outcome) for a in ended.attempts],
+                      sorted(h.exit_code for h in ended.hosts)]
     print("CLIENT " + json.dumps(out), flush=True)
 """
 
@@ -122,13 +125,14 @@ def test_the_python_client_drives_runs_as_a_notebook_would(side_cluster, work, t
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("CLIENT "))
     out = json.loads(line.removeprefix("CLIENT "))
-    assert out["first_state"] in ("PENDING", "RUNNING")
+    assert out["first_state"] in ("pending", "running")
     for host in range(SHARED_HOSTS):
         assert f"[host {host}] step 2" in out["lines"]
     assert out["code"] == 0
     final = out["final"]
     assert final["state"] == "succeeded" and final["exit_code"] == 0 and len(final["hosts"]) == SHARED_HOSTS
-    assert out["stopped"][0] == "STOPPED" and out["stopped"][1:] == [143, 143]
+    assert out["stopped"][0] == "stopped" and out["stopped"][1:] == [143, 143]
     assert out["runs"][1] == out["id"]  # newest first: the stopped run, then the first
     assert out["bad"] == ["LaunchError", 2, "--env '1BAD=x' is not KEY=VALUE. write it as --env NAME=value"]
-    assert out["launch"] == [0, SHARED_HOSTS]
+    assert out["launch"] == ["RunSummary", 0, SHARED_HOSTS]
+    assert out["summary"] == [0, "ok", ["ok"], [0] * SHARED_HOSTS]

@@ -13,6 +13,7 @@ import pytest
 from fakes import closed_port, hermetic_path
 from fakes.tpu_api_server import FakeTpuApi, make_node, standard_nodes, standard_queued_resources
 
+from tpulaunch.run.prepare import prepare
 from tpulaunch import discover as discovery
 from tpulaunch.discover import tpu_api
 from tpulaunch.errors import (
@@ -176,7 +177,7 @@ def test_a_queued_resources_slices_on_a_real_cluster_read_their_metadata_server(
     (tmp_path / "t.py").write_text("print(1)\n")
     req = run.LaunchRequest(script="t.py", framework="none", workdir=str(tmp_path),
                             slices=discovery.SliceRequest(queued_resource="ms-qr", zone=C2, project="p"))
-    plan = run.prepare(req, run.Target(None), discovery.ClusterSlices(False), None).plan
+    plan = prepare(req, run.Target(None), discovery.ClusterSlices(False), None).plan
     assert not plan.emulated and [s.name for s in plan.slices] == ["ms-0", "ms-1"]
     for h in plan.hosts:
         env = plan.env(h.process_index)

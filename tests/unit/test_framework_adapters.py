@@ -11,6 +11,7 @@ import random
 import pytest
 
 from support import write_scripts
+from tpulaunch.run.prepare import prepare
 from tpulaunch import run
 from tpulaunch.discover import SliceRequest
 from tpulaunch.errors import LaunchError, MeshMismatchError
@@ -95,7 +96,7 @@ def test_framework_jax_without_jax_installed_names_the_extra(monkeypatch, workdi
         req = run.LaunchRequest(script="jax_checks.py", slices=SliceRequest(topology="2x8"), framework=fw,
                                 workdir=str(workdir))
         with pytest.raises(LaunchError) as e:
-            run.prepare(req, run.Target(None), None, None)
+            prepare(req, run.Target(None), None, None)
         assert "tpulaunch[jax]" in e.value.line()
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[1] / "tpulaunch"
+PKG = Path(__file__).resolve().parents[2] / "tpulaunch"
 
 # Which tpulaunch packages each stage may import (itself always; `tpulaunch.errors` everywhere).
 ALLOWED = {
@@ -24,7 +24,10 @@ ALLOWED = {
     # where slices come from (emulated, TPU VMs, GKE): the seam run/ and cli/ ask, over the stages below it
     "providers": {"plan", "discover", "cluster", "provision", "gcloud", "kube"},
     "run": {"plan", "discover", "cluster", "host", "provision", "providers"},
-    "cli": {"plan", "discover", "cluster", "host", "run", "gcloud", "provision", "providers", "kube", "rehearse"},
+    "cli": {"plan", "discover", "cluster", "host", "run", "gcloud", "provision", "providers", "kube", "rehearse",
+            "client"},
+    # the Python API: the runner's seam and the run's records, as the CLI uses them
+    "client": {"plan", "discover", "cluster", "run"},
     # `run --rehearse`: the plan's programs compiled for the target TPU, in a process that runs the script as a host does
     "rehearse": {"plan", "host"},
     "ray_train": {"plan", "discover", "cluster", "host"},  # Ray Train's backend: run's twin for trainers
@@ -81,6 +84,13 @@ def _imports(path: Path, module_level_only: bool) -> set[str]:
 
     visit(tree.body)
     return found
+
+
+def test_the_checks_read_the_package():
+    """Every check below reads tpulaunch's own files (a moved test once read none, and passed)."""
+    assert {"tpulaunch", "tpulaunch.cli", "tpulaunch.run.launch", "tpulaunch.plan.mesh"} <= set(MODULES)
+    assert set(ALLOWED) | BASE | {"client", "envvars", "kube", "gcloud", "__main__"} >= {
+        _stage(m) for m in MODULES if _stage(m)}, "a stage the layout does not know"
 
 
 def test_no_import_cycle_among_tpulaunch_modules():
@@ -159,3 +169,26 @@ def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
         test_no_import_cycle_among_tpulaunch_modules()
     with pytest.raises(AssertionError, match="tpulaunch.cli"):
         test_each_stage_imports_only_what_the_layout_allows("plan")
+
+
+def _closure(root: str) -> set[str]:
+    """Every tpulaunch module importing `root` loads at module level (its packages' __init__ too)."""
+    seen: set[str] = set()
+    todo = [root]
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in MODULES:
+            continue
+        seen.add(m)
+        parts = m.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # a module's packages load first
+        todo += [i for i in _imports(MODULES[m], module_level_only=True) if i in MODULES]
+    return seen
+
+
+def test_a_scripts_import_tpulaunch_loads_no_launcher():
+    """`import tpulaunch` in a launched script loads its context and the errors, not the client, the
+    run's supervision or the cluster code (the client's names load on first use)."""
+    heavy = sorted(m for m in _closure("tpulaunch") if _stage(m) in ("run", "cluster", "providers", "discover", "cli")
+                   or m == "tpulaunch.client")
+    assert heavy == []

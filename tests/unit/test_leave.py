@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from support import write_scripts
+from tpulaunch.run.prepare import prepare
 from tpulaunch import run
 from tpulaunch.discover import SliceRequest
 from tpulaunch.cluster.ports import free_port
@@ -132,7 +133,7 @@ def test_only_a_torch_xla_scripts_hosts_get_an_exit_port_and_preflight_checks_it
     def plan(framework: str, *command: str):
         req = run.LaunchRequest(script="" if command else "t.py", command=command, framework=framework,
                                 slices=SliceRequest(topology="2x2x2", accelerator="v5p"), workdir=str(tmp_path))
-        return run.prepare(req, run.Target(None), None, None).plan
+        return prepare(req, run.Target(None), None, None).plan
 
     torch_xla = plan("torch_xla")
     e = torch_xla.endpoints

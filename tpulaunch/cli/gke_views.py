@@ -68,7 +68,7 @@ def list_pools(out: Output, target: kube.KubeTarget, json_out: bool) -> None:
 
 
 def describe_pool(out: Output, target: kube.KubeTarget, pool: str, json_out: bool, force: bool) -> None:
-    from tpulaunch.cli.cmd_slice import describe_lines, slice_doc
+    from tpulaunch.cli.slice_views import describe_lines, slice_doc
     from tpulaunch.discover import gke as discover_gke
     from tpulaunch.errors import ExitCode
 

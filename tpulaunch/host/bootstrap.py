@@ -108,12 +108,12 @@ def main(argv: list[str]) -> int:
     _hold_run_marker()
     with open(argv[0], "rb") as f:
         state: HostState = pickle.load(f)
-    fw = frameworks.get(state.framework)
     local_rank = int(argv[2]) if argv[1:2] == ["--rank"] else None
-    if getattr(fw, "processes_per_device", False) and local_rank is None:
+    if frameworks.facts(state.framework).per_device and local_rank is None:
         from tpulaunch.host import ranks  # this host's process starts one process per device
 
         return ranks.run(state, argv[0], _rank_main)
+    fw = frameworks.get(state.framework)
     try:
         phases = boot(state, local_rank)
         started = phases.pop("started_s")

@@ -72,8 +72,8 @@ class RunContext:
 
     @property
     def attempt_reason(self) -> str:
-        """Why this attempt runs: "first", "restart" (a failure), "preemption" (the slices came back),
-        "shrink" (on fewer slices after one was lost) or "grow" (back to more slices)."""
+        """Why this attempt runs, one of "first", "restart" (a failure), "preemption" (the slices came
+        back), "shrink" (on fewer slices after one was lost) or "grow" (back to more slices)."""
         return self.state.reason
 
     @property
@@ -90,7 +90,8 @@ class RunContext:
 
     @property
     def coordinator_address(self) -> str:
-        """host:port of process 0 (torch.distributed's MASTER_ADDR:MASTER_PORT)."""
+        """The address of process 0, its host and port joined by a colon (torch.distributed's
+        MASTER_ADDR and MASTER_PORT)."""
         return self.state.endpoints.coordinator_address
 
     @property
@@ -116,12 +117,12 @@ class RunContext:
 
     @property
     def is_coordinator(self) -> bool:
-        """True on process 0: the one that should log, save, and report."""
+        """True on process 0, the one that should log, save, and report."""
         return self.process_index == 0
 
     @property
     def rank(self) -> int:
-        """This process's rank in the job's default process group: `process_index` (one process per
+        """This process's rank in the job's default process group, `process_index` (one process per
         host), or under torch_tpu (one per device) process_index x devices per host + local_rank."""
         if self.local_index is None:
             return self.process_index
@@ -129,27 +130,27 @@ class RunContext:
 
     @property
     def local_rank(self) -> int:
-        """The process's index on its host: its device under torch_tpu, else 0."""
+        """The process's index on its host (its device under torch_tpu), else 0."""
         return self.local_index or 0
 
     @property
     def local_world_size(self) -> int:
-        """Processes on this host: its devices under torch_tpu, else 1."""
+        """How many processes run on this host (its devices under torch_tpu), else 1."""
         return 1 if self.local_index is None else self.state.job.topology.devices_per_host
 
     @property
     def world_size(self) -> int:
-        """Processes in the job: `num_processes` (one per TPU host), or under torch_tpu one per device."""
+        """How many processes the job has, `num_processes` (one per TPU host) or under torch_tpu one per device."""
         return self.num_processes * self.local_world_size
 
     @property
     def device(self) -> str:
-        """The torch device type this process computes on: "tpu" (torch_tpu), "xla" (torch_xla),
+        """The torch device type this process computes on, "tpu" (torch_tpu), "xla" (torch_xla),
         "cpu" on an emulated torch_tpu host, "" for JAX and none."""
-        fw = self.state.job.framework
-        if fw == "torch_tpu":
-            return "cpu" if self.emulated else "tpu"
-        return "xla" if fw == "torch_xla" else ""
+        from tpulaunch.plan.frameworks import facts
+
+        fw = facts(self.state.job.framework)
+        return fw.emulated_device if self.emulated else fw.device
 
 
 _STATE: dict[str, Any] = {"ctx": None, "mesh": None}

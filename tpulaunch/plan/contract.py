@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from tpulaunch.plan.frameworks import Framework
 from tpulaunch.plan.mesh import MeshPlan
 from tpulaunch.plan.topology import Topology
 
@@ -69,7 +70,7 @@ class Job:
     run_id: str
     script: str
     args: tuple[str, ...]
-    framework: str
+    framework: Framework
     mesh: MeshPlan
     emulated: bool
     distributed: bool  # open tpulaunch's gloo group across the hosts
@@ -123,7 +124,7 @@ class HostState:
         return self.job.run_id
 
     @property
-    def framework(self) -> str:
+    def framework(self) -> Framework:
         return self.job.framework
 
     @property

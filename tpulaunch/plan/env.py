@@ -81,7 +81,7 @@ def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
         "TPULAUNCH_PROCESS_INDEX": proc,
         "TPULAUNCH_NUM_PROCESSES": n,
         "TPULAUNCH_EMULATED": "1" if job.emulated else "0",
-        "TPULAUNCH_FRAMEWORK": job.framework,
+        "TPULAUNCH_FRAMEWORK": str(job.framework),
         "MASTER_ADDR": ends.host,
         "RANK": proc,
         "WORLD_SIZE": n,
@@ -111,8 +111,8 @@ def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
     if ends.jax_address is not None:
         per_run["JAX_COORDINATOR_ADDRESS"] = ends.jax_address
         static.update({"JAX_NUM_PROCESSES": n, "JAX_PROCESS_ID": proc})
-    if state.num_slices > 1 and not job.emulated:
-        static[LIBTPU_OURS_ENV] = megascale_hang_flags(job.hang_s)
+    if state.num_slices > 1 and not job.emulated:  # per run: --stall-timeout is the run's (libtpu reads it at boot)
+        per_run[LIBTPU_OURS_ENV] = megascale_hang_flags(job.hang_s)
     if state.num_slices > 1:
         static.update({
             "MEGASCALE_COORDINATOR_ADDRESS": ends.host,

@@ -29,6 +29,7 @@ from typing import Callable, Mapping
 
 from tpulaunch.errors import LaunchError
 from tpulaunch.plan import torch_tpu
+from tpulaunch.plan.frameworks import Framework, facts
 from tpulaunch.plan.contract import MEGASCALE_PORT, Endpoints, HostSlot, HostState, Job
 from tpulaunch.plan.env import host_env
 from tpulaunch.plan.mesh import MeshPlan, resize_slices
@@ -38,7 +39,8 @@ from tpulaunch.plan.topology import Topology
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")  # fullmatch: no newline may trail a name
 
 
-def default_compile_cache(framework: str, topology: Topology, num_slices: int, emulated: bool) -> str | None:
+def default_compile_cache(framework: "str | Framework", topology: Topology, num_slices: int,
+                          emulated: bool) -> str | None:
     """`~/.cache/tpulaunch/xla-cache/<framework>/<slice>`, on each host's own disk (`~` is the host's).
 
     Emulated slices get their own directory: CPU compilations are no use on a TPU, and back.
@@ -47,12 +49,12 @@ def default_compile_cache(framework: str, topology: Topology, num_slices: int, e
     would only cost disk and a warning per compile. `--compile-cache DIR` still turns it on.
     None too for a command or a script that boots no framework: nothing compiles.
     """
-    if framework not in ("jax",):
+    if not facts(framework).compile_cache:
         return None
     key = f"{'emulated-' if emulated else ''}{topology.accelerator_type}-{topology.topology}"
     if num_slices > 1:
         key += f"-x{num_slices}"
-    return f"~/.cache/tpulaunch/xla-cache/{framework}/{key}"
+    return f"~/.cache/tpulaunch/xla-cache/{Framework(framework).value}/{key}"
 
 
 def run_marker(run_id: str) -> str:
@@ -235,7 +237,7 @@ class LaunchPlan:
     def _host_dict(self, h: HostSlot) -> dict:
         doc = {"process_index": h.process_index, "slice_index": h.slice_index, "worker_id": h.worker_id,
                "slice_name": h.slice_name, "ip": h.ip, "env": self.env(h.process_index)}
-        if self.framework == "torch_tpu":  # one process per device: what each adds to the host's env
+        if facts(self.framework).per_device:  # one process per device: what each adds to the host's env
             doc["processes"] = [p.to_dict() for p in torch_tpu.processes(self.state(h.process_index))]
         return doc
 
@@ -246,7 +248,7 @@ def build_plan(
     mesh: MeshPlan,
     script: str,
     args: list[str] | tuple[str, ...] = (),
-    framework: str = "torch_xla",
+    framework: "str | Framework" = Framework.TORCH_XLA,
     user_env: Mapping[str, str] | None = None,
     run_id: str,
     coordinator_port: int,
@@ -287,7 +289,7 @@ def build_plan(
             )
     hosts = _slots(slices, topo)
     job = Job(
-        run_id=run_id, script=script, args=tuple(args), framework=framework, mesh=mesh, emulated=emulated,
+        run_id=run_id, script=script, args=tuple(args), framework=Framework(framework), mesh=mesh, emulated=emulated,
         distributed=distributed, metadata_server=metadata_server, log_dir=log_dir, workdir=workdir,
         command=tuple(command), compile_cache=compile_cache, python=python,
         emulation_env=dict(emulation_env or {}) if emulated else {}, user_env=dict(user_env or {}),

@@ -27,11 +27,12 @@ import hashlib
 from dataclasses import dataclass
 
 from tpulaunch.errors import LaunchError
+from tpulaunch.plan.frameworks import TORCH_TPU_MASTER_PORT
 from tpulaunch.plan.contract import HostState
 from tpulaunch.plan.topology import Topology
 
 SLICEBUILDER_BASE_PORT = 8070  # TORCH_TPU_BASE_PORT's default
-MASTER_PORT = 29500  # set_tpu_launch_env's MASTER_PORT
+MASTER_PORT = TORCH_TPU_MASTER_PORT  # set_tpu_launch_env's MASTER_PORT
 MEGASCALE_BASE_PORT = 8080  # the runtime sets MEGASCALE_PORT = 8080 + 2 x LOCAL_RANK on multislice
 HANDSHAKE_PORT = 36423  # TORCH_TPU_INTERNAL_HANDSHAKE_PORT's default, on rank 0
 FIXED_PORTS = frozenset({MASTER_PORT, HANDSHAKE_PORT})  # the ones in the range tpulaunch picks from

@@ -42,6 +42,11 @@ class Recreation:
             doc["replica"] = self.replica
         return doc
 
+    @staticmethod
+    def from_dict(d: dict) -> "Recreation":
+        return Recreation(d["slice"], d.get("queued_resource", ""), d.get("why", ""), dict(d.get("steps") or {}),
+                          list(d.get("join_failures") or ()), d.get("replica"))
+
 
 class RejoinFailed(TpulaunchError):
     """A slice was made again but its new hosts could not be set up or joined (slow to start Ray,

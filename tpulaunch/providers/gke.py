@@ -39,9 +39,7 @@ def client_versions() -> tuple[str, str]:
     """(tpulaunch, ray) as this machine has them: what the image must carry."""
     import importlib.metadata
 
-    import tpulaunch
-
-    return tpulaunch.__version__, importlib.metadata.version("ray")
+    return importlib.metadata.version("tpulaunch"), importlib.metadata.version("ray")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from tpulaunch.discover.ray_labels import POD_TYPE, SLICE, WORKER
 from tpulaunch.errors import LaunchError
 from tpulaunch.host import frameworks
+from tpulaunch.plan.frameworks import facts as fw_facts
 from tpulaunch.plan.contract import HostState
 from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache
 from tpulaunch.plan.mesh import plan_mesh
@@ -62,7 +63,7 @@ def plan_for_workers(
     if not pod_type:
         raise LaunchError(f"the TPU hosts carry no {POD_TYPE} label", "start Ray on the TPU hosts with their TPU env")
     fw = frameworks.get(framework)
-    per_device = getattr(fw, "processes_per_device", False)
+    per_device = fw_facts(framework).per_device
     slices = []
     for index, name in enumerate(names):
         mine = sorted((f for f in facts if f.slice_name == name), key=lambda f: f.worker_id or 0)
@@ -90,7 +91,7 @@ def plan_for_workers(
     plan = build_plan(
         slices=slices, mesh=plan_mesh(topology, mesh, dcn, len(slices), placement), script="<ray-train>",
         framework=framework, run_id=run_id, coordinator_port=ports[0],
-        jax_coordinator_port=ports[1] if framework == "jax" else None,
+        jax_coordinator_port=ports[1] if fw_facts(framework).jax_coordinator else None,
         emulated=emulated, emulation_env=fw.emulation_env(topology, len(slices)),
         emulation_port=ports[2] if emulated else None, metadata_server=not emulated,
         log_dir=log_dir, workdir=os.getcwd(),

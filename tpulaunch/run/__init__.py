@@ -1,19 +1,37 @@
 """What `tpulaunch run` and `tpulaunch exec` do, as a library.
 
-* `prepare`: the request (`LaunchRequest`) and what its cluster holds to the `LaunchPlan`,
-  connecting nowhere (all `--dry-run` needs); `find_cluster` says which cluster it goes to;
+* `prepare`: the request (`LaunchRequest`) checked once and, with what its cluster holds, the
+  `LaunchPlan` and its `Supervision`, connecting nowhere (all `--dry-run` needs); `find_cluster`
+  says which cluster it goes to; `runner` whether the run is supervised here or on the head;
 * `launch`: get a Ray cluster (start an emulated one when none is given; `Connection` is the one
-  connection to an existing one), run attempts as `policy` decides, clean up;
+  connection to an existing one), run the attempts (`loop`), clean up;
 * `execute`: one attempt: gang-schedule one host agent per TPU host (`fleet`), supervise, fail fast;
-* `watch` and `policy`: the decisions, pure; `summary`: what a run produced; `paths`: where it went.
+* `watch`, `policy` and `hang`: the decisions, pure; `recovery/`: what happens between attempts;
+* `record/`: the run's timeline and what is read from it; `summary`: what a run produced.
+
+The names below are loaded on first use: importing `tpulaunch.run.status` (as a script's
+`import tpulaunch` does, through the client) must not load the whole launcher.
 """
 
-from tpulaunch.run.execute import Limits, Sink, execute
-from tpulaunch.run.launch import Connection, launch
-from tpulaunch.run.prepare import (LaunchRequest, Prepared, Target, check_script, client_env, find_cluster, head_python,
-                                   is_local, prepare, shipped_workdir)
-from tpulaunch.run.summary import Attempt, HostResult, Outcome, RunSummary
+from __future__ import annotations
 
-__all__ = ["Attempt", "Connection", "HostResult", "LaunchRequest", "Limits", "Outcome", "Prepared", "RunSummary",
-           "Sink", "Target", "check_script", "client_env", "execute", "find_cluster", "head_python", "is_local", "launch", "prepare",
-           "shipped_workdir"]
+import importlib
+from typing import Any
+
+# (the functions named as their modules, `prepare`, `launch` and `execute`, are imported from
+# those modules: once a submodule is loaded its name in this package is the module)
+_WHERE = {
+    "Limits": "execute", "Sink": "execute", "Connection": "launch",
+    "LaunchRequest": "prepare", "Prepared": "prepare", "Target": "prepare", "check_script": "prepare",
+    "client_env": "prepare", "find_cluster": "prepare", "head_python": "prepare", "is_local": "prepare",
+    "shipped_workdir": "prepare",
+    "Attempt": "summary", "HostResult": "summary", "Outcome": "summary", "RunSummary": "summary",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'tpulaunch.run' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tpulaunch.run.{_WHERE[name]}"), name)

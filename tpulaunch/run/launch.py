@@ -26,7 +26,8 @@ from tpulaunch.host.agent import agent_for
 from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.run import policy
 from tpulaunch.run.execute import Sink
-from tpulaunch.run.loop import RunContext, run_attempts
+from tpulaunch.run.context import RunContext
+from tpulaunch.run.loop import run_attempts
 from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.prepare import LaunchRequest, Prepared, Target, recorded_slices
 from tpulaunch.run.record.events import Event

@@ -2,51 +2,23 @@
 
 Each turn runs one attempt (`execute`), records its end in the timeline, asks the policy what next,
 and carries it out with `run.recovery.resize` (wait for a lost slice or swap a spare in, replace a
-hung slice, shrink or grow an elastic run) or ends the run. `RunContext` is what every step shares.
+hung slice, shrink or grow an elastic run) or ends the run. `run.context.RunContext` is what every
+step shares.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from tpulaunch.cluster.record import ClusterInfo
 from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.run import policy
-from tpulaunch.run.execute import Interrupts, Limits, Sink, execute
+from tpulaunch.run.context import RunContext
+from tpulaunch.run.execute import execute
 from tpulaunch.run.record.events import Event
-from tpulaunch.run.record.timeline import Timeline
-from tpulaunch.run.recovery import elastic, resize
+from tpulaunch.run.recovery import resize
 from tpulaunch.run.status import RunState, RunView
 from tpulaunch.run.summary import Attempt, attempts_brief
-from tpulaunch.run.supervision import Supervision
-
-
-@dataclass
-class RunContext:
-    """What the attempts of one run share: how it is supervised, where it reports, its cluster and
-    timeline, and what goes on in the background (slices coming back)."""
-
-    sup: Supervision
-    sink: Sink
-    limits: Limits
-    sigs: Interrupts
-    cluster: ClusterInfo
-    timeline: Timeline
-    attempts: list[Attempt] = field(default_factory=list)
-    regrowths: list[elastic.Regrowth] = field(default_factory=list)  # lost slices coming back (elastic)
-    healings: list = field(default_factory=list)  # slices a spare replaced, coming back as spares
-
-    @property
-    def gcs(self) -> str | None:
-        return None if self.cluster.address.startswith("ray://") else self.cluster.address
-
-    def stopped(self) -> bool:
-        return self.sigs.received is not None
-
-    def cancel_background(self) -> None:
-        for r in [*self.regrowths, *self.healings]:
-            r.cancel()
 
 
 def run_attempts(plan: LaunchPlan, ctx: RunContext) -> tuple[policy.Spent, str | None]:

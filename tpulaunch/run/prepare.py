@@ -21,9 +21,11 @@ from tpulaunch.cluster.record import ClusterInfo, load_record
 from tpulaunch.errors import LaunchError, StateError, TpulaunchError
 from tpulaunch.host import frameworks
 from tpulaunch.plan import torch_tpu
+from tpulaunch.plan.frameworks import Framework, facts as fw_facts, ports as plan_ports
 from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache, new_run_id, parse_env
 from tpulaunch.plan.mesh import MAX_SLICES, plan_mesh
-from tpulaunch.run.supervision import Supervision
+from tpulaunch.run.policy import Budgets
+from tpulaunch.run.supervision import Lifecycle, Recovery, Supervision, Watching
 
 WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "node_modules"]
 
@@ -167,7 +169,17 @@ def check(req: LaunchRequest | Checked) -> Checked:
     user_env = validate(req)
     workdir = checked_workdir(req)
     script = req.script if req.command else check_script(req, workdir)
-    return Checked(req, workdir, script, user_env, Supervision.of(req))
+    return Checked(req, workdir, script, user_env, supervision_of(req))
+
+
+def supervision_of(req: LaunchRequest) -> Supervision:
+    """The request's supervision flags, grouped (their values checked by `validate`)."""
+    return Supervision(
+        Budgets(req.max_restarts, req.max_preemptions, req.kill_stale, req.min_slices or 0, req.replace_hung),
+        Recovery(req.recreate, req.preemption_wait, req.preemption_grace, req.grow_after),
+        Watching(req.schedule_timeout, req.timeout, req.stall_timeout, req.straggler_ratio, req.preflight),
+        Lifecycle(req.keep_cluster, req.idle_timeout, req.keep_children),
+    )
 
 
 def check_script(req: LaunchRequest, workdir: Path | None = None) -> str:
@@ -184,12 +196,11 @@ def check_script(req: LaunchRequest, workdir: Path | None = None) -> str:
                           "run from the directory that holds it, or pass --workdir") from None
 
 
-def _framework(req: LaunchRequest, workdir: Path) -> tuple[str, str]:
+def _framework(req: LaunchRequest, workdir: Path) -> tuple[Framework, str]:
     if req.command:
-        return "torch_xla", "exec runs a command, no framework boot"
+        return Framework.TORCH_XLA, "exec runs a command, no framework boot"
     if req.framework != "auto":
-        frameworks.get(req.framework)
-        return req.framework, "--framework"
+        return fw_facts(req.framework).name, "--framework"
     return frameworks.detect((workdir / req.script).read_text(errors="replace"))
 
 
@@ -260,19 +271,19 @@ def prepare(checked: LaunchRequest | Checked, target: Target, seen: discover.Clu
         frameworks.require_installed(fw)
     mesh = plan_mesh(resolved.topology, req.mesh, req.slices.dcn, resolved.num_slices, req.placement)
     run_id = req.run_id or new_run_id()
-    if fw == "torch_tpu":
+    facts = fw_facts(fw)
+    if facts.per_device:
         torch_tpu.check_generation(resolved.topology)
-    # MASTER_PORT on a slice: torch_xla's and JAX's usual 8476; torch_tpu's own 29500
-    port = req.coordinator_port or (free_port() if local else (torch_tpu.MASTER_PORT if fw == "torch_tpu" else 8476))
+    ports = plan_ports(facts, local=local, emulated=emulated, command=bool(req.command), base=req.coordinator_port,
+                       free=free_port)
     plan = build_plan(
         slices=list(resolved.slices), mesh=mesh, script=script, args=req.args, framework=fw,
-        user_env=c.user_env, run_id=run_id, coordinator_port=port,
-        group_port=free_port() if local else port + 2,  # tpulaunch's own gloo group, apart from MASTER_PORT
-        jax_coordinator_port=(free_port() if local else port + 1) if fw == "jax" else None,
-        emulated=emulated, emulation_env=frameworks.get(fw).emulation_env(resolved.topology, resolved.num_slices),
-        emulation_port=(free_port() if local else port + 3) if emulated else None, local=local,
-        # torch_xla's hosts leave in order (host/leave.py); port + 1 is JAX's coordinator's under JAX
-        exit_port=(free_port() if local else port + 1) if fw == "torch_xla" and not req.command else None,
+        user_env=c.user_env, run_id=run_id, coordinator_port=ports.coordinator,
+        group_port=ports.group,  # tpulaunch's own gloo group, apart from MASTER_PORT
+        jax_coordinator_port=ports.jax, emulated=emulated,
+        emulation_env=frameworks.get(fw).emulation_env(resolved.topology, resolved.num_slices),
+        emulation_port=ports.emulation, local=local,
+        exit_port=ports.exit,  # torch_xla's hosts leave in order (host/leave.py)
         # every real host is a TPU VM whose metadata server knows its slice (torus wraparound and
         # more than the plan holds): a queued resource's nodes too, however they were found
         metadata_server=not emulated, distributed=req.distributed and not req.command,

@@ -55,6 +55,8 @@ class Cause(str, Enum):
         return self.value
 
 
+SUMMARY_SCHEMA = "tpulaunch.summary/v2"
+
 # Exits no restart can mend: bad input, a framework that cannot boot, a busy TPU (without --kill-stale).
 NEVER_RETRIED = (ExitCode.USAGE, ExitCode.BOOT_FAILED)
 
@@ -86,8 +88,15 @@ class HostResult:
 
     @property
     def failed(self) -> bool:
-        """Counts as a failure of the attempt (not: exited 0, or stopped by tpulaunch after another failed)."""
+        """Whether it counts as a failure of the attempt (not when it exited 0, or was stopped by
+        tpulaunch after another failed)."""
         return self.lost or bool(self.preempted) or (self.exit_code not in (None, 0) and not self.stopped_by_tpulaunch)
+
+    @staticmethod
+    def from_dict(d: dict) -> "HostResult":
+        known = {f for f in HostResult.__dataclass_fields__}
+        doc = {k: v for k, v in d.items() if k in known}
+        return HostResult(**{**doc, "cause": Cause(doc["cause"]) if doc.get("cause") else None})
 
 
 @dataclass
@@ -111,7 +120,7 @@ class Attempt:
 
     @property
     def who(self) -> str | None:
-        """What ended it, in a few words: the first host to fail, or the attempt's note."""
+        """What ended it in a few words, the first host to fail or the attempt's note."""
         f = self.first_failure
         return f"host {f.process_index} {f.reason}" if f is not None else self.note
 
@@ -124,6 +133,19 @@ class Attempt:
         if not self.replaced:
             d.pop("replaced")
         return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "Attempt":
+        hosts = [HostResult.from_dict(h) for h in d.get("hosts") or ()]
+        first = d.get("first_failure")
+        return Attempt(
+            index=d["index"], outcome=Outcome(d["outcome"]), exit_code=d["exit_code"], hosts=hosts,
+            log_dir=d.get("log_dir", ""), first_failure=HostResult.from_dict(first) if first else None,
+            note=d.get("note"), wall_s=d.get("wall_s", 0.0), timings=dict(d.get("timings") or {}),
+            signal=d.get("signal"), findings=list(d.get("findings") or ()),
+            recreated=[Recreation.from_dict(r) for r in d.get("recreated") or ()],
+            hang=Hang.from_dict(d["hang"]) if d.get("hang") else None, replaced=list(d.get("replaced") or ()),
+            slices=list(d.get("slices") or ()), reason=d.get("reason", "first"))
 
 
 @dataclass
@@ -148,8 +170,22 @@ class RunSummary:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["attempts"] = [a.to_dict() for a in self.attempts]
-        d["schema"] = "tpulaunch.summary/v2"
+        d["schema"] = SUMMARY_SCHEMA
         return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "RunSummary":
+        """A `summary.json` (`tpulaunch.summary/v2`) read back: what a run on a cluster's head ended with."""
+        if d.get("schema") != SUMMARY_SCHEMA:
+            raise ValueError(f"not a {SUMMARY_SCHEMA} document: {str(d.get('schema'))[:80]!r}")
+        first = d.get("first_failure")
+        return RunSummary(
+            run_id=d["run_id"], exit_code=d["exit_code"], emulated=d["emulated"], slices=list(d.get("slices") or ()),
+            mesh=dict(d.get("mesh") or {}), hosts=[HostResult.from_dict(h) for h in d.get("hosts") or ()],
+            first_failure=HostResult.from_dict(first) if first else None, log_dir=d.get("log_dir", ""),
+            wall_s=d.get("wall_s", 0.0), timings=dict(d.get("timings") or {}), interrupted=d.get("interrupted"),
+            outcome=Outcome(d.get("outcome", "ok")), attempts=[Attempt.from_dict(a) for a in d.get("attempts") or ()],
+            restarts=d.get("restarts", 0), preemptions=d.get("preemptions", 0), note=d.get("note"))
 
 
 def first_failure(hosts: list[HostResult]) -> HostResult | None:

@@ -1,5 +1,5 @@
 """How a run is supervised: the request's budgets, limits, recovery and lifecycle, typed and checked
-once by `prepare`, beside the plan. Nothing after `prepare` reads the request or the CLI's strings.
+once by `prepare` (which makes it from the request), beside the plan. Nothing after `prepare` reads the request or the CLI's strings.
 
 * `Budgets` (`run.policy`): how many restarts and preemptions the run may survive, and how;
 * `Recovery`: how a lost slice comes back (`--recreate`, the waits, an elastic run's growing back);
@@ -18,7 +18,6 @@ from tpulaunch.run.policy import Budgets
 if TYPE_CHECKING:
     from tpulaunch.cluster.record import ClusterInfo
     from tpulaunch.run.execute import Limits
-    from tpulaunch.run.prepare import LaunchRequest
 
 # A host whose process failed as its VM went away: how long after its exit its Ray node may take
 # to be seen gone, for the loss to count as a preemption (`execute.lost_with_their_nodes`)
@@ -55,16 +54,6 @@ class Supervision:
     recovery: Recovery = field(default_factory=Recovery)
     watching: Watching = field(default_factory=Watching)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
-
-    @staticmethod
-    def of(req: "LaunchRequest") -> "Supervision":
-        """The request's supervision flags, grouped (values checked by `prepare.validate`)."""
-        return Supervision(
-            Budgets(req.max_restarts, req.max_preemptions, req.kill_stale, req.min_slices or 0, req.replace_hung),
-            Recovery(req.recreate, req.preemption_wait, req.preemption_grace, req.grow_after),
-            Watching(req.schedule_timeout, req.timeout, req.stall_timeout, req.straggler_ratio, req.preflight),
-            Lifecycle(req.keep_cluster, req.idle_timeout, req.keep_children),
-        )
 
     def check(self, cluster: "ClusterInfo | None", local: bool) -> None:
         """Refuse (one line) recovery that could never work on this cluster, before anything starts:

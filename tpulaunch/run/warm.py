@@ -11,20 +11,32 @@ from tpulaunch.cluster.connect import connect, disconnect
 from tpulaunch.cluster.record import ClusterInfo
 from tpulaunch.host import frameworks
 from tpulaunch.host.agent import agent_for
-from tpulaunch.plan.launch import build_plan
+from tpulaunch.cluster.ports import free_port
+from tpulaunch.plan.frameworks import facts as fw_facts, ports as plan_ports
+from tpulaunch.plan.launch import LaunchPlan, build_plan
 from tpulaunch.plan.mesh import plan_mesh
+
+
+def spare_plan(info: ClusterInfo, framework: str = "torch_xla") -> LaunchPlan:
+    """The plan a plain `tpulaunch run SCRIPT` on this cluster gets, as far as a spare's environment
+    goes: planned as `prepare` plans it (its ports by the same rule), so the spares `cluster up`
+    starts are the ones the first run's hosts take."""
+    slices = list(info.slices)
+    topo = slices[0].to_topology()
+    fw = frameworks.get(framework)
+    ports = plan_ports(fw_facts(framework), local=info.emulated, emulated=info.emulated, command=False, base=None,
+                       free=free_port)
+    return build_plan(
+        slices=slices, mesh=plan_mesh(topo, num_slices=len(slices)), script="-", framework=framework, run_id="-",
+        coordinator_port=ports.coordinator, group_port=ports.group, jax_coordinator_port=ports.jax,
+        emulated=info.emulated, emulation_env=fw.emulation_env(topo, len(slices)), emulation_port=ports.emulation,
+        exit_port=ports.exit, local=info.emulated, metadata_server=not info.emulated, log_dir="-", workdir="-",
+    )
 
 
 def prewarm_cluster(info: ClusterInfo, framework: str = "torch_xla", timeout_s: float = 60.0) -> int:
     """Start every host's agent with a spare importing `framework`; returns how many hosts."""
-    slices = list(info.slices)
-    topo = slices[0].to_topology()
-    fw = frameworks.get(framework)
-    plan = build_plan(
-        slices=slices, mesh=plan_mesh(topo, num_slices=len(slices)), script="-", framework=framework, run_id="-",
-        coordinator_port=1, jax_coordinator_port=1 if framework == "jax" else None, emulated=info.emulated,
-        emulation_env=fw.emulation_env(topo, len(slices)), emulation_port=1, log_dir="-", workdir="-",
-    )
+    plan = spare_plan(info, framework)
     connect(info)  # before importing Ray: it reads its auth settings from the environment
     import ray
 

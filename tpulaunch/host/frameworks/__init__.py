@@ -1,8 +1,9 @@
 """Framework adapters: boot the runtime, build the mesh from a MeshPlan, shut down.
 
-Each adapter is one module exposing the `Framework` interface. Adding a framework (say
-TorchTPU) is a new module plus one line in `_ADAPTERS`; nothing else in the tree changes.
-Adapter modules import their framework lazily, so the driver never loads torch or jax.
+Each adapter is one module exposing the `Framework` interface; what the driver knows of a
+framework (its ports, processes per host, extra, adapter module) is its row in
+`plan.frameworks.FACTS`. Adding a framework is a new adapter module plus that row; nothing else in
+the tree changes. Adapter modules import their framework lazily, so the driver never loads torch or jax.
 """
 
 from __future__ import annotations
@@ -12,24 +13,17 @@ import importlib.util
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tpulaunch.errors import LaunchError
+from tpulaunch.plan.frameworks import FACTS
+from tpulaunch.plan.frameworks import Framework as Name
+from tpulaunch.plan.frameworks import facts
 
 if TYPE_CHECKING:
     from tpulaunch.plan.contract import HostState
     from tpulaunch.plan.mesh import MeshPlan
     from tpulaunch.plan.topology import Topology
 
-_ADAPTERS = {
-    "torch_xla": "tpulaunch.host.frameworks.torch_xla",
-    "jax": "tpulaunch.host.frameworks.jax",
-    "torch_tpu": "tpulaunch.host.frameworks.torch_tpu",
-    "none": "tpulaunch.host.frameworks.none",
-}
-
-
 class Framework(Protocol):
     name: str
-    extra: str  # pip extra that installs it
-    import_name: str  # top-level module whose presence means "installed"
 
     def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
         """Env a host process needs to emulate its TPU host on CPU (pure, driver side)."""
@@ -64,18 +58,18 @@ def check_size(where: str, have: int, unit: str, plan: "MeshPlan") -> None:
 
 
 def names() -> list[str]:
-    return list(_ADAPTERS)
+    return [n.value for n in FACTS]
 
 
-def get(name: str) -> Framework:
-    if name not in _ADAPTERS:
-        raise LaunchError(f"unknown framework '{name}'", f"choose one of {', '.join(_ADAPTERS)}, or auto")
-    return importlib.import_module(_ADAPTERS[name]).ADAPTER  # type: ignore[no-any-return]
+def get(name: "str | Name") -> Framework:
+    """A framework's host adapter (its module imported; the framework itself is not)."""
+    adapter: Framework = importlib.import_module(facts(name).adapter).ADAPTER
+    return adapter
 
 
-def require_installed(name: str) -> None:
+def require_installed(name: "str | Name") -> None:
     """Fail early and clearly on the driver when the framework is not importable."""
-    fw = get(name)
+    fw = facts(name)
     if fw.import_name and importlib.util.find_spec(fw.import_name) is None:
         raise LaunchError(
             f"--framework {name} needs {fw.import_name}, which is not installed",
@@ -83,7 +77,7 @@ def require_installed(name: str) -> None:
         )
 
 
-def detect(script_text: str) -> tuple[str, str]:
+def detect(script_text: str) -> tuple[Name, str]:
     """Pick a framework from what a script imports. Returns (name, reason)."""
     import ast
 
@@ -95,11 +89,11 @@ def detect(script_text: str) -> tuple[str, str]:
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 roots.add(node.module.split(".")[0])
     except SyntaxError:
-        return "torch_xla", "the script does not parse; defaulting to torch_xla"
+        return Name.TORCH_XLA, "the script does not parse; defaulting to torch_xla"
     if "torch_tpu" in roots or ("torch_xla" not in roots and "tpu_dist" in script_text):
-        return "torch_tpu", "the script uses torch_tpu (PyTorch's TPU backend)"
+        return Name.TORCH_TPU, "the script uses torch_tpu (PyTorch's TPU backend)"
     if "jax" in roots and "torch_xla" not in roots:
-        return "jax", "the script imports jax"
+        return Name.JAX, "the script imports jax"
     if "torch_xla" in roots:
-        return "torch_xla", "the script imports torch_xla"
-    return "torch_xla", "the script imports neither jax nor torch_xla; defaulting to torch_xla"
+        return Name.TORCH_XLA, "the script imports torch_xla"
+    return Name.TORCH_XLA, "the script imports neither jax nor torch_xla; defaulting to torch_xla"

@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 
 class Jax:
     name = "jax"
-    extra = "jax"
-    import_name = "jax"
     _initialized = False
 
     def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:

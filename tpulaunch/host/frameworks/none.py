@@ -18,8 +18,6 @@ if TYPE_CHECKING:
 
 class NoFramework:
     name = "none"
-    extra = ""
-    import_name = ""  # nothing to install
 
     def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
         # An emulated host has no TPU: a framework the script imports by itself must not look for one.

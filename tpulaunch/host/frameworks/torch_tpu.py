@@ -36,9 +36,6 @@ def device_type(state: "HostState") -> str:
 
 class TorchTPU:
     name = "torch_tpu"
-    extra = "torch_tpu"
-    import_name = "torch"  # the driver needs no torch_tpu: the hosts do (and emulation needs none)
-    processes_per_device = True
 
     def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
         # several processes share an emulated host's cores: one thread each, as torchrun sets

@@ -1,6 +1,6 @@
 """Between two attempts: the next plan after a lost slice, a hang or a slice come back.
 
-Each function takes the run's `loop.RunContext` and the plans (`current`: the slices the attempt ran
+Each function takes the run's `run.context.RunContext` and the plans (`current`: the slices the attempt ran
 on; `full`: every slice the run asked for) and returns the next ones. What the provider does (make a
 slice again, swap a spare in) is the provider's (`tpulaunch.providers`); what to do is `run.policy`'s.
 
@@ -21,13 +21,13 @@ from tpulaunch.plan.contract import Endpoints
 from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.plan.topology import Topology
 from tpulaunch.run import policy
+from tpulaunch.run.context import RunContext
 from tpulaunch.run.record.events import Event
 from tpulaunch.run.recovery import elastic, recreate
 from tpulaunch.run.summary import Attempt, Cause, Outcome, exit_code_for, first_failure, outcome_of
 
 if TYPE_CHECKING:
     from tpulaunch.discover.ray_labels import RaySlice
-    from tpulaunch.run.loop import RunContext
     from tpulaunch.run.watch import AttemptWatch
 
 
@@ -46,7 +46,7 @@ def next_attempt(plan: LaunchPlan, reason: str) -> LaunchPlan:
     return plan.for_attempt(plan.attempt + 1, fresh_endpoints(plan), reason)
 
 
-def preempted_by_the_provider(a: Attempt, plan: LaunchPlan, ctx: "RunContext") -> None:
+def preempted_by_the_provider(a: Attempt, plan: LaunchPlan, ctx: RunContext) -> None:
     """`--recreate`: a host whose process failed on a slice its provider says was preempted (the
     Cloud TPU API, the Kubernetes API) was preempted: its VM's or node's shutdown may end the script
     before its agent and raylet, so the loop heard an exit, not a loss. Asked once per such slice."""
@@ -72,7 +72,7 @@ def preempted_by_the_provider(a: Attempt, plan: LaunchPlan, ctx: "RunContext") -
         a.exit_code = exit_code_for(a.outcome, a.first_failure)
 
 
-def lost_to_preemption(a: Attempt, lost: list[str], ctx: "RunContext") -> None:
+def lost_to_preemption(a: Attempt, lost: list[str], ctx: RunContext) -> None:
     """A spare took the lost slices' places: the provider's word (once) on whether they were preempted,
     which the recreate path hears as it makes them again, and a spare's swap does not wait for."""
     if a.outcome is not Outcome.LOST:
@@ -98,7 +98,7 @@ def grow_when(regrowths: list[elastic.Regrowth]) -> "Callable[[AttemptWatch, flo
     return ask
 
 
-def wait_for_lost(a: Attempt, current: LaunchPlan, hit: set[str], ctx: "RunContext",
+def wait_for_lost(a: Attempt, current: LaunchPlan, hit: set[str], ctx: RunContext,
                   spent: policy.Spent) -> tuple[LaunchPlan | None, policy.Spent, str | None]:
     """The lost slices (`hit`) made again (`--recreate`) and every host of the plan whole in Ray:
     (the plan to run next, what is spent, None), or (None, spent, why the run ends)."""
@@ -138,7 +138,7 @@ def wait_for_lost(a: Attempt, current: LaunchPlan, hit: set[str], ctx: "RunConte
     return where_ray_has_them(current), spent, None
 
 
-def swap_in_spares(lost: list[str], a: Attempt, current: LaunchPlan, ctx: "RunContext", why: str, *,
+def swap_in_spares(lost: list[str], a: Attempt, current: LaunchPlan, ctx: RunContext, why: str, *,
                    heal: bool = True) -> LaunchPlan | None:
     """A spare of the run's shape, whole and free in Ray, for each slice in `lost`: the plan with them
     in the lost ones' places (same slice ids; process indices, `MEGASCALE_*` and the mesh made afresh
@@ -192,7 +192,7 @@ def same_shape(s: "RaySlice", topo: Topology) -> bool:
 
 
 def replace_hung(a: Attempt, current: LaunchPlan, full: LaunchPlan,
-                 ctx: "RunContext") -> tuple[LaunchPlan, LaunchPlan, str | None]:
+                 ctx: RunContext) -> tuple[LaunchPlan, LaunchPlan, str | None]:
     """`--replace-hung`: the hang's culprit slices are swapped for spares, made again by the cluster's
     provider, or (where it cannot) dropped under --min-slices; then the whole run restarts from its
     checkpoint. Returns (the next plan, the full one, why the run ends instead or None)."""
@@ -248,7 +248,7 @@ def replace_hung(a: Attempt, current: LaunchPlan, full: LaunchPlan,
 
 
 def resize(action: policy.Action, a: Attempt, current: LaunchPlan, full: LaunchPlan, hit: list[str],
-           ctx: "RunContext", spent: policy.Spent) -> tuple[LaunchPlan, LaunchPlan]:
+           ctx: RunContext, spent: policy.Spent) -> tuple[LaunchPlan, LaunchPlan]:
     """The next attempt of an elastic run: on the slices left whole (shrink; the lost ones start
     coming back), or on every slice of the run again (grow). Returns (the next plan, the full one)."""
     from tpulaunch.host import frameworks
@@ -292,7 +292,7 @@ def where_ray_has_them(plan: LaunchPlan) -> LaunchPlan:
     return plan.on_slices(recreate.in_run_order(plan.slices, fresh))
 
 
-def wait_whole(plan: LaunchPlan, wait_s: float, ctx: "RunContext") -> bool:
+def wait_whole(plan: LaunchPlan, wait_s: float, ctx: RunContext) -> bool:
     """Until every host of the plan's slices is alive and free in Ray (or `wait_s` passes, or a stop)."""
     return elastic.wait_whole(ctx.cluster, plan.topology, [s.name for s in plan.slices], wait_s,
                               lambda: ctx.sigs.received is not None, ctx.sink.progress)
