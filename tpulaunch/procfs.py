@@ -95,10 +95,6 @@ class Process:
         except OSError:
             return None
 
-    def start_ticks(self) -> int | None:
-        """When it started, in clock ticks since boot: with the pid, names one process for ever."""
-        return self._stat_number(19)
-
     def name(self) -> str:
         """Its command's name (argv[0] without the directory), for messages."""
         argv0 = self.cmdline().split(b"\0", 1)[0].decode(errors="replace")

@@ -15,6 +15,7 @@ from fakes.tpu_api_server import FakeTpuApi, make_node, standard_nodes, standard
 
 from tpulaunch.run.prepare import prepare
 from tpulaunch import discover as discovery
+from tpulaunch import cloud_tpu
 from tpulaunch.discover import tpu_api
 from tpulaunch.errors import (
     ApiPermissionError,
@@ -295,22 +296,22 @@ def test_slow_server_ends_within_the_timeout(mode):
 
 def test_timeout_from_env(monkeypatch):
     monkeypatch.setenv("TPULAUNCH_API_TIMEOUT", "1.5")
-    assert tpu_api.api_timeout(None) == 1.5
-    assert tpu_api.api_timeout(3) == 3.0  # the argument wins
+    assert cloud_tpu.api_timeout(None) == 1.5
+    assert cloud_tpu.api_timeout(3) == 3.0  # the argument wins
     with FakeTpuApi(standard_nodes(), mode="slow") as fake:
         with pytest.raises(ApiUnreachableError, match="within 1.5 s"):
             discovery.describe_node("my-v4", zone=C2, project="p", endpoint=fake.url)
 
 
 def test_default_timeout_is_ten_seconds():
-    assert tpu_api.api_timeout(None) == 10.0
+    assert cloud_tpu.api_timeout(None) == 10.0
 
 
 @pytest.mark.parametrize("bad", ["soon", "-1", "0"])
 def test_bad_timeout_is_a_usage_error(monkeypatch, bad):
     monkeypatch.setenv("TPULAUNCH_API_TIMEOUT", bad)
     with pytest.raises(TpulaunchError) as e:
-        tpu_api.api_timeout(None)
+        cloud_tpu.api_timeout(None)
     assert e.value.exit_code == ExitCode.USAGE
 
 
@@ -336,7 +337,7 @@ def test_missing_credentials_for_a_real_endpoint(monkeypatch, tmp_path):
     ],
 )
 def test_anonymous_credentials_only_for_local_http(url, local):
-    assert tpu_api.is_local_test_endpoint(url) is local
+    assert cloud_tpu.is_local_test_endpoint(url) is local
 
 
 def test_endpoint_from_env(monkeypatch, api):

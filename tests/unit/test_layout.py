@@ -17,12 +17,12 @@ PKG = Path(__file__).resolve().parents[2] / "tpulaunch"
 # Which tpulaunch packages each stage may import (itself always; `tpulaunch.errors` everywhere).
 ALLOWED = {
     "plan": set(),
-    "discover": {"plan", "gcloud", "kube"},
+    "discover": {"plan", "gcloud", "kube", "cloud_tpu"},
     "cluster": {"plan", "gcloud", "kube"},
     "host": {"plan", "discover"},  # discover.metadata: preemption notices
-    "provision": {"plan", "discover"},  # creates what discover reads, through its Cloud TPU API client
+    "provision": {"plan", "discover", "cloud_tpu"},  # creates what discover reads, through the same Cloud TPU API client
     # where slices come from (emulated, TPU VMs, GKE): the seam run/ and cli/ ask, over the stages below it
-    "providers": {"plan", "discover", "cluster", "provision", "gcloud", "kube"},
+    "providers": {"plan", "discover", "cluster", "provision", "gcloud", "kube", "cloud_tpu"},
     "run": {"plan", "discover", "cluster", "host", "provision", "providers"},
     "cli": {"plan", "discover", "cluster", "host", "run", "gcloud", "provision", "providers", "kube", "rehearse",
             "client"},
@@ -89,7 +89,7 @@ def _imports(path: Path, module_level_only: bool) -> set[str]:
 def test_the_checks_read_the_package():
     """Every check below reads tpulaunch's own files (a moved test once read none, and passed)."""
     assert {"tpulaunch", "tpulaunch.cli", "tpulaunch.run.launch", "tpulaunch.plan.mesh"} <= set(MODULES)
-    assert set(ALLOWED) | BASE | {"client", "envvars", "kube", "gcloud", "__main__"} >= {
+    assert set(ALLOWED) | BASE | {"client", "envvars", "kube", "gcloud", "cloud_tpu", "__main__"} >= {
         _stage(m) for m in MODULES if _stage(m)}, "a stage the layout does not know"
 
 

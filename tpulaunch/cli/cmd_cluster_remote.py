@@ -18,13 +18,12 @@ import typer
 
 from tpulaunch.cluster import tokens
 from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, save_record, state_dir
+from tpulaunch.cluster.remote import DEFAULT_PORT as RAY_PORT_DEFAULT  # the flags' defaults are the cluster's
+from tpulaunch.cluster.remote import DEFAULT_PYTHON as REMOTE_PYTHON_DEFAULT
 from tpulaunch.host import tpu_holders
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
 from tpulaunch.errors import ClusterError, DiscoveryError, ExitCode, TpulaunchError
-
-RAY_PORT_DEFAULT = 6379
-REMOTE_PYTHON_DEFAULT = "python3"
 
 
 class HostProgress:

@@ -18,7 +18,6 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from typing import Iterator
 
 from tpulaunch.errors import ClusterError
 
@@ -83,9 +82,8 @@ class JobApi:
         self.token = token
         self.timeout = timeout  # one request, whole
 
-    def _request(self, method: str, path: str, body: dict | bytes | None = None, timeout: float | None = -1.0,
-                 stream: bool = False):  # noqa: ANN201 - bytes, or the open response when streaming
-        timeout = self.timeout if timeout == -1.0 else timeout  # None: no bound (a stream the caller ends)
+    def _request(self, method: str, path: str, body: dict | bytes | None = None, timeout: float | None = -1.0) -> bytes:
+        timeout = self.timeout if timeout == -1.0 else timeout  # None: no bound
         raw = isinstance(body, bytes)
         headers = {"Content-Type": "application/octet-stream" if raw else "application/json"}
         if self.token:
@@ -106,8 +104,6 @@ class JobApi:
             why = getattr(e, "reason", e)
             raise ClusterError(f"cannot reach the Ray dashboard (job API) at {self.url}: {why}",
                                "is the cluster up, with its dashboard? (`tpulaunch cluster status`)") from None
-        if stream:
-            return resp
         return _read_bounded(resp, self.url, timeout)
 
     def version(self) -> dict:
@@ -232,17 +228,6 @@ class JobApi:
                                          or "does not exist" in e.text.lower()):
                 return None
             raise ClusterError(f"could not read {filename} on the head ({e.code}): {_first_line(e.text)}", "") from None
-
-    def follow_file(self, node_id: str, filename: str, interval_s: float = 0.5) -> Iterator[str]:
-        """The file's content, then what is appended to it, as it comes (until the caller stops)."""
-        q = urllib.parse.urlencode({"node_id": node_id, "filename": filename, "lines": -1, "interval": interval_s})
-        resp = self._request("GET", f"/api/v0/logs/stream?{q}", timeout=None, stream=True)
-        with resp:
-            while True:
-                chunk = resp.read1(65536) if hasattr(resp, "read1") else resp.read(65536)
-                if not chunk:
-                    return
-                yield chunk.decode(errors="replace")
 
 
 def _read_bounded(resp, url: str, timeout: float | None) -> bytes:  # noqa: ANN001 - an http.client response

@@ -18,6 +18,7 @@ from tpulaunch.cluster import kuberay_manifest as manifest
 from tpulaunch.errors import ClusterError
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 
+GROUP = "ray.io/group"
 REPLICA = "ray.io/worker-group-replica-index"
 REPLICA_NAME = "ray.io/worker-group-replica-name"
 HOST = "ray.io/replica-host-index"
@@ -75,7 +76,7 @@ def slice_progress(pods: list[dict], group: str, num_slices: int, hosts: int) ->
 
 def _in(pod: dict, group: str, replica: int) -> bool:
     labels = (pod.get("metadata") or {}).get("labels") or {}
-    return labels.get("ray.io/group") == group and labels.get(REPLICA) == str(replica)
+    return labels.get(GROUP) == group and labels.get(REPLICA) == str(replica)
 
 
 def slices_from_pods(pods: list[dict], group: str, accelerator_type: str, topology: str, num_slices: int) -> list[SliceSpec]:

@@ -46,10 +46,6 @@ class Endpoints:
     def jax_address(self) -> str | None:
         return f"{self.host}:{self.jax_port}" if self.jax_port is not None else None
 
-    @property
-    def emulation_address(self) -> str | None:
-        return f"{self.host}:{self.emulation_port}" if self.emulation_port is not None else None
-
     def moved(self, *, master_port: int | None = None, group_port: int | None = None, jax_port: int | None = None,
               emulation_port: int | None = None, exit_port: int | None = None) -> "Endpoints":
         """The same meeting place with the given ports replaced (a restart on one machine)."""

@@ -19,6 +19,7 @@ from tpulaunch import kube as kube_mod
 from tpulaunch.cluster import kuberay, tokens
 from tpulaunch.cluster import kuberay_manifest as manifest
 from tpulaunch.cluster.record import GKE_ENV, ClusterInfo, GkeSpec, clear_record, save_record
+from tpulaunch.discover import ray_labels
 from tpulaunch.errors import ClusterError, DiscoveryError, TpulaunchError
 from tpulaunch.plan import gke
 from tpulaunch.plan.slicespec import SliceSpec
@@ -238,7 +239,7 @@ def wait_ray(api, slices: list[str], hosts: int, timeout_s: float, say: Say) -> 
         joined: dict[str, set[int]] = {s: set() for s in slices}
         for n in api.nodes():
             labels = n.get("labels") or {}
-            s, w = labels.get("ray.io/tpu-slice-name"), labels.get("ray.io/tpu-worker-id", "")
+            s, w = labels.get(ray_labels.SLICE), labels.get(ray_labels.WORKER, "")
             if n.get("state") == "ALIVE" and s in joined and w.isdigit():
                 joined[s].add(int(w))
         line = "in Ray: " + "  ".join(f"{s}: {len(ws)}/{hosts}" for s, ws in joined.items())
@@ -384,13 +385,13 @@ class GkeProvider(Provider):
             ray_nodes = self.job_api().nodes()
         except TpulaunchError:
             ray_nodes = []
-        alive = {((n.get("labels") or {}).get("ray.io/tpu-slice-name"), (n.get("labels") or {}).get("ray.io/tpu-worker-id"))
+        alive = {((n.get("labels") or {}).get(ray_labels.SLICE), (n.get("labels") or {}).get(ray_labels.WORKER))
                  for n in ray_nodes if n.get("state") == "ALIVE"}
         head = kuberay.head_pod(kube, self.spec.name)
         slices = []
         for s in self.info.slices or []:
             mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(kuberay.REPLICA) == str(s.slice_index)
-                    and (p["metadata"].get("labels") or {}).get("ray.io/group") == self.spec.group]
+                    and (p["metadata"].get("labels") or {}).get(kuberay.GROUP) == self.spec.group]
             hosts = []
             pool = None
             for p in sorted(mine, key=lambda p: int(p["metadata"]["labels"].get(kuberay.HOST, "0"))):
@@ -547,7 +548,7 @@ class GkeProvider(Provider):
         for name in names:
             r = self._replica(name)
             mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(kuberay.REPLICA) == str(r)
-                    and (p["metadata"].get("labels") or {}).get("ray.io/group") == self.spec.group]
+                    and (p["metadata"].get("labels") or {}).get(kuberay.GROUP) == self.spec.group]
             say(f"slice {name}: {why}: deleting its {len(mine)} pod(s); KubeRay makes its replica again")
             for p in mine:
                 kube.delete("Pod", p["metadata"]["name"])

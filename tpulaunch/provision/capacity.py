@@ -8,7 +8,7 @@ created again.
 
 `SliceOrder` is the request as data; `queued_resource_body()` is its REST JSON (pure, checked
 against the REST reference in the tests); `create`, `delete`, `wait_active` and `recreate` do the
-calls with the real client (`tpu_api.TpuApi`), each call bounded, each wait bounded and reporting
+calls with the real client (`cloud_tpu.TpuApi`), each call bounded, each wait bounded and reporting
 every change of state.
 """
 
@@ -21,7 +21,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from tpulaunch.discover.tpu_api import QR_GONE_BAD as GONE_BAD, TpuApi, api_timeout
+from tpulaunch.cloud_tpu import QR_GONE_BAD as GONE_BAD, TpuApi, api_timeout
 from tpulaunch.errors import CapacityError, LaunchError, NameTakenError, NodeNotFoundError
 from tpulaunch.plan import topology as topo_mod
 
