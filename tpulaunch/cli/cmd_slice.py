@@ -10,13 +10,13 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Group
-from rich.table import Table
 
 from tpulaunch import discover
 from tpulaunch.cli import app
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
-from tpulaunch.cli.slice_views import describe_lines, describe_rich, mesh_doc, mesh_lines, mesh_rich, slice_doc
+from tpulaunch.cli.slice_views import (describe_lines, describe_rich, mesh_doc, mesh_lines, mesh_rich, print_table,
+                                       slice_doc)
 from tpulaunch.errors import LaunchError, TpulaunchError
 
 slice_app = typer.Typer(
@@ -189,19 +189,8 @@ def list_cmd(
     cols = ["name", "zone", "accelerator_type", "topology", "state", "health", "workers", "spot"]
     if z != "-":
         cols.remove("zone")  # one zone: it is in the header line already
-    table = [[_cell(d, c) for c in cols] for d in rows]
-    header = [_HEADERS.get(c, c.upper()) for c in cols]
-    if out.rich:
-        t = Table(title=where, title_justify="left")
-        for h in header:
-            t.add_column(h, no_wrap=True)
-        for d, r in zip(rows, table):
-            t.add_row(*r, style="" if d["ready"] else "red")
-        out.result(t)
-        return
-    widths = [max(len(x) for x in col) for col in zip(header, *table)]
-    for r in [header, *table]:
-        out.line("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
+    print_table(out, where, [_HEADERS.get(c, c.upper()) for c in cols], [[_cell(d, c) for c in cols] for d in rows],
+                [not d["ready"] for d in rows])
 
 
 _HEADERS = {"accelerator_type": "TYPE"}

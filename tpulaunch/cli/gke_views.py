@@ -6,10 +6,10 @@ renders (a rich table on a terminal, aligned plain lines in a pipe, `--json`).
 
 from __future__ import annotations
 
-from rich.table import Table
 
 from tpulaunch import kube
 from tpulaunch.cli.output import Output
+from tpulaunch.cli.slice_views import print_table
 from tpulaunch.errors import DiscoveryError
 
 POOL_COLS = ("pool", "generation", "topology", "hosts", "chips_per_node", "machine_type", "spot", "zone",
@@ -52,19 +52,8 @@ def list_pools(out: Output, target: kube.KubeTarget, json_out: bool) -> None:
     if not rows:
         out.info(f"no TPU node pools in {doc['api']}")
         return
-    table = [[_cell(d, c) for c in POOL_COLS] for d in rows]
-    header = [_HEAD.get(c, c.upper()) for c in POOL_COLS]
-    if out.rich:
-        t = Table(title=doc["api"], title_justify="left")
-        for h in header:
-            t.add_column(h, no_wrap=True)
-        for d, r in zip(rows, table):
-            t.add_row(*r, style="" if d["complete"] else "red")
-        out.result(t)
-        return
-    widths = [max(len(x) for x in col) for col in zip(header, *table)]
-    for r in [header, *table]:
-        out.line("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
+    print_table(out, doc["api"], [_HEAD.get(c, c.upper()) for c in POOL_COLS],
+                [[_cell(d, c) for c in POOL_COLS] for d in rows], [not d["complete"] for d in rows])
 
 
 def describe_pool(out: Output, target: kube.KubeTarget, pool: str, json_out: bool, force: bool) -> None:

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tpulaunch import discover
+from tpulaunch.cli.output import Output
 from tpulaunch.errors import TpulaunchError
 from tpulaunch.plan.slicespec import SliceSpec
 
@@ -159,3 +160,19 @@ def describe_rich(d: dict) -> Group:
 
 def mesh_rich(mesh: dict | None) -> list[Any]:
     return [Text(line, style="bold") for line in mesh_lines(mesh)]
+
+
+def print_table(out: Output, title: str, header: list[str], table: list[list[str]], bad: list[bool]) -> None:
+    """Rows of slices (or node pools): a rich table on a terminal, the `bad` ones red; aligned plain
+    columns in a pipe."""
+    if out.rich:
+        t = Table(title=title, title_justify="left")
+        for h in header:
+            t.add_column(h, no_wrap=True)
+        for is_bad, r in zip(bad, table):
+            t.add_row(*r, style="red" if is_bad else "")
+        out.result(t)
+        return
+    widths = [max(len(x) for x in col) for col in zip(header, *table)]
+    for r in [header, *table]:
+        out.line("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())

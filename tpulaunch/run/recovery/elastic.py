@@ -73,6 +73,11 @@ def wait_whole(cluster: ClusterInfo, topology: Topology, slices: list[str], wait
     return False
 
 
+def failure_line(e: Exception) -> str:
+    """A background thread's failure in one line: tpulaunch's own line, or the exception's type and text."""
+    return e.line() if isinstance(e, TpulaunchError) else f"{type(e).__name__}: {e}"
+
+
 class Regrowth:
     """The lost slices coming back while the run trains on the others (a thread of its own).
 
@@ -125,12 +130,9 @@ class Regrowth:
             elif not self._stop.is_set():
                 self.error = f"slice(s) {', '.join(self.lost)} not back within --preemption-wait {self.wait_s:g} s"
                 self.say(self.error + ": the run goes on without them")
-        except TpulaunchError as e:
-            self.error = e.line()
-            self.say(f"slice(s) {', '.join(self.lost)} not brought back: {self.error}; the run goes on without them")
         except Exception as e:  # noqa: BLE001 - a thread's failure must not pass unseen
-            self.error = f"{type(e).__name__}: {e}"
-            self.say(f"slice(s) {', '.join(self.lost)} not brought back: {self.error}")
+            self.error = failure_line(e)
+            self.say(f"slice(s) {', '.join(self.lost)} not brought back: {self.error}; the run goes on without them")
 
     def should_grow(self, watch, now: float) -> str | None:  # noqa: ANN001 - an AttemptWatch
         """Asked by the running attempt's watch: a reason to end it and grow back, or None."""
@@ -158,11 +160,8 @@ class Background:
         try:
             fn()
             self.say(f"{self.what}: done")
-        except TpulaunchError as e:
-            self.error = e.line()
-            self.say(f"{self.what}: not done: {self.error}")
         except Exception as e:  # noqa: BLE001 - a thread's failure must not pass unseen
-            self.error = f"{type(e).__name__}: {e}"
+            self.error = failure_line(e)
             self.say(f"{self.what}: not done: {self.error}")
         finally:
             self.done.set()
