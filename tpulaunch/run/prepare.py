@@ -27,7 +27,8 @@ from tpulaunch.plan.mesh import MAX_SLICES, plan_mesh
 from tpulaunch.run.policy import Budgets
 from tpulaunch.run.supervision import Lifecycle, Recovery, Supervision, Watching
 
-WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "node_modules"]
+WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache", ".ruff_cache",
+                    "node_modules"]
 
 
 def read_env_file(path: str) -> str:
