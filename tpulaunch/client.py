@@ -208,8 +208,8 @@ class Run:
 
         api = self._client._api()
         if host is None:
-            chunks = detached.follow_driver_log(api, self.id) if follow else iter(
-                [detached.run_output(api.driver_log(self.id))])
+            chunks = (detached.follow_driver_log(api, self.id, require_log=True) if follow
+                      else iter([detached.driver_output(api, self._job())]))
         else:
             chunks = detached.follow_host_log(api, self._job(), host, attempt, follow)
         pending = ""

@@ -12,13 +12,15 @@ from rich.table import Table
 from tpulaunch import discover
 from tpulaunch.cluster import emulated
 from tpulaunch.cluster.connect import connect, disconnect, resolve_address
-from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, record_path, save_record, state_dir
+from tpulaunch.cluster.record import (ClusterInfo, clear_record, driver_log_path, load_record, record_path,
+                                      save_record, state_dir, writable_state_dir)
 from tpulaunch.cli import app
 from tpulaunch.cli import cmd_cluster_remote as remote
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
 from tpulaunch.errors import ClusterError, LaunchError, TpulaunchError
 from tpulaunch.host import frameworks
+from tpulaunch.plan import mesh as mesh_mod
 from tpulaunch.plan import topology as topo_mod
 
 cluster_app = typer.Typer(help="Start, inspect and stop the Ray cluster runs use.", no_args_is_help=True)
@@ -89,7 +91,12 @@ def up(
     With --tpu, hosts already in the cluster are left alone, so running it again is safe.
     """
     out = Output(json_mode=json_out)
+    if num_slices is not None and not gke:  # (GKE's request checks its own, the same bound)
+        mesh_mod.check_slice_count(num_slices)  # before anything is built per slice
     script = remote.setup_text(setup, setup_script)
+    if not dry_run:  # the record, tokens and Ray's messages go there: known usable before anything starts
+        writable_state_dir()
+        driver_log_path()
     if gke:
         from tpulaunch.cli import gke_views
         from tpulaunch.kube import KubeTarget
@@ -168,16 +175,24 @@ def up(
         # Other drivers (Ray Train) may use this cluster: their workers' output must reach them.
         info = emulated.start_emulated(list(resolved.slices), t, dashboard=dashboard, log_monitor=True,
                                        progress=progress)
-        info.spares = [s.name for s in resolved.slices[wanted:]]  # the last K: in reserve
-        save_record(info)
-        if prewarm != "none":
-            from tpulaunch.run.warm import prewarm_cluster
+        try:
+            info.spares = [s.name for s in resolved.slices[wanted:]]  # the last K: in reserve
+            save_record(info)
+            if prewarm != "none":
+                from tpulaunch.run.warm import prewarm_cluster
 
-            progress(f"starting a spare {prewarm} process on every host")
-            try:
-                prewarm_cluster(info, prewarm)
-            except TpulaunchError as e:  # the cluster is up; runs start fresh processes instead
-                out.warn(f"no spare processes: {e.line()}")
+                progress(f"starting a spare {prewarm} process on every host")
+                try:
+                    prewarm_cluster(info, prewarm)
+                except TpulaunchError as e:  # the cluster is up; runs start fresh processes instead
+                    out.warn(f"no spare processes: {e.line()}")
+        except TpulaunchError as e:
+            _abandon(info)
+            e.hint = (f"{e.hint}; " if e.hint else "") + f"the cluster it started ({info.temp_dir}) was stopped"
+            raise
+        except BaseException:
+            _abandon(info)
+            raise
     if json_out:
         out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": True,
                   "slices": [s.to_dict() for s in info.slices], "token_path": info.token_path,
@@ -186,6 +201,22 @@ def up(
         out.warn(f"EMULATED cluster: {len(resolved.slices)} x {t.accelerator_type} ({t.topology}) on this machine"
                  + (f", {spare_slices} of them spare ({', '.join(info.spares)})" if spare_slices else ""))
         out.line(f"cluster up at {info.address} (token auth on; token in {info.token_path})")
+
+
+def _abandon(info: ClusterInfo) -> None:
+    """A `cluster up` that failed (or was interrupted) after its nodes started leaves nothing: its
+    processes and temp dir go, and so does its record if it was written."""
+    try:
+        emulated.stop_cluster(info)
+    except Exception as e:  # noqa: BLE001 - the error that ended `cluster up` is the one to report
+        Output().warn(f"the cluster {info.address or info.temp_dir} could not be stopped ({e});"
+                      " `tpulaunch cluster down --force` finds it")
+    try:
+        rec = load_record()
+    except TpulaunchError:
+        rec = None
+    if rec is not None and rec.cluster_id == info.cluster_id:
+        clear_record()
 
 
 def _say(out: Output, st):  # noqa: ANN001, ANN202 - a rich status (or None in a pipe) -> Callable[[str], None]
@@ -331,6 +362,7 @@ def down(
     out = Output(json_mode=json_out)
     if every_home and not force:
         raise LaunchError("--all goes with --force", "`tpulaunch cluster down --force --all` stops every cluster here")
+    writable_state_dir()  # the record goes once the cluster has: a home that cannot lose it stops nothing
     if force:
         _down_force(out, json_out, every_home)
         return

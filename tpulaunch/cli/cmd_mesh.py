@@ -47,6 +47,9 @@ def inspect(
     topology, accelerator = split_spec(slice_spec, topology, accelerator)
     req = discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
                                 tpu=tpu, zone=zone, project=project, num_slices=num_slices, dcn=dcn)
+    wanted = discover.request_num_slices(req)  # checked before anything is built per slice
+    from_dcn = num_slices is None and bool(dcn)
+    mesh_mod.check_slice_count(wanted, f"--dcn {dcn[:40]} ({wanted} slices)" if from_dcn else None)
     if tpu:
         with out.status("asking the Cloud TPU API ..."):
             resolved = discover.resolve(req)

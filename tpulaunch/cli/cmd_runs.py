@@ -202,10 +202,10 @@ def logs_cmd(run: str = RUN, address: str = ADDRESS,
     job = detached.find(api, run)
     if host is None:
         if follow:
-            for chunk in detached.follow_driver_log(api, job.submission_id):
+            for chunk in detached.follow_driver_log(api, job.submission_id, require_log=True):
                 out.raw(chunk)
         else:
-            out.raw(detached.run_output(api.driver_log(job.submission_id)))
+            out.raw(detached.driver_output(api, job))
         return
     for chunk in detached.follow_host_log(api, job, host, attempt, follow):
         out.raw(chunk)

@@ -19,7 +19,8 @@ from typing import Iterator
 
 from tpulaunch import settings
 from tpulaunch.cluster.processes import dir_pids
-from tpulaunch.cluster.record import EMULATED_TOKEN, ClusterInfo, check_token_file, driver_log_path, load_record
+from tpulaunch.cluster.record import (EMULATED_TOKEN, LOOPBACK_RAY, ClusterInfo, check_token_file, driver_log_path,
+                                      load_record)
 from tpulaunch.errors import ClusterError, TpulaunchError
 
 
@@ -164,6 +165,10 @@ def connect(info: ClusterInfo, runtime_env: dict | None = None, timeout: float |
     if info.token_path:
         check_token_file(info.token_path, "the cluster's token file")
     probe(info.address, min(timeout, 5.0))
+    if "ray" in sys.modules and any(os.environ.get(k) != v for k, v in info.ray_env().items() if k in LOOPBACK_RAY):
+        # Ray would rewrite the cluster's 127.0.0.1 to this machine's outward address, where it does not listen
+        raise ClusterError("internal: Ray was imported before the loopback setting of a cluster at 127.0.0.1 was set",
+                           "report this bug")
     for k, v in info.ray_env().items():
         os.environ[k] = v
     import ray

@@ -7,9 +7,10 @@ the resources and labels it puts on real TPU hosts (`TPU`, `<slice name>`,
 `TPU-<type>-head` on worker 0, `accelerator_type:TPU-V6E`, `ray.io/tpu-slice-name`,
 `ray.io/tpu-worker-id`, ...), so scheduling code has one path for emulated and real slices.
 
-Every node of an emulated cluster uses a loopback node address (127.0.0.2: Ray rewrites
-127.0.0.1 to the machine's external IP) and token authentication with a fresh token stored
-owner-only. Each cluster gets its own Ray temp dir and a random id (`ownership.py`): the temp dir's
+Every node of an emulated cluster has the node address 127.0.0.1, so every server of the cluster
+listens on loopback only (`record.LOOPBACK_RAY` says how, and what keeps Ray from rewriting that
+address), and token authentication with a fresh token stored owner-only. Each cluster gets its
+own Ray temp dir and a random id (`ownership.py`): the temp dir's
 marker and the environment of every process of the cluster carry it, and stopping a cluster stops
 exactly the processes that carry its id, after checking its temp dir is the one it marked.
 """
@@ -29,12 +30,15 @@ from typing import Callable
 from tpulaunch import procfs
 from tpulaunch.cluster import ownership
 from tpulaunch.cluster.ports import free_ports
-from tpulaunch.cluster.record import ClusterInfo, emulated_token_path, state_dir
+from tpulaunch.cluster.record import LOOPBACK_RAY, ClusterInfo, emulated_token_path, state_dir
 from tpulaunch.errors import ClusterError, LaunchError
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.plan.topology import Topology
 
-EMULATED_NODE_IP = "127.0.0.2"
+# Ray 2.60 binds its servers to 127.0.0.1 for this node address and to every interface for any other
+# (127.0.0.2 included): the GCS and raylets (`node_ip_address == "127.0.0.1"` in C++), workers, the
+# dashboard agent, and the dashboard's and autoscaler's metrics (`is_localhost(ip)` in Python).
+EMULATED_NODE_IP = "127.0.0.1"
 OBJECT_STORE_BYTES = 128 * 1024 * 1024  # per emulated host; runs move little through Ray
 START_TIMEOUT_S = 120.0
 
@@ -174,9 +178,16 @@ def node_spec(
     return {
         "head": head, "address": None if head else (info.address or None), "temp_dir": temp_dir,
         "env": host_node_env(spec, topology, worker), "ports": ports, "chips": topology.chips_per_host,
-        "object_store_bytes": OBJECT_STORE_BYTES, "node_ip": EMULATED_NODE_IP, "dashboard": dashboard,
+        "object_store_bytes": OBJECT_STORE_BYTES, "node_ip": node_ip(info), "dashboard": dashboard,
         "services": info.log_monitor,
     }
+
+
+def node_ip(info: ClusterInfo) -> str:
+    """The node address of the cluster's hosts: its head's (a host started again joins as its peers
+    did, whichever tpulaunch started them), else EMULATED_NODE_IP for a new cluster."""
+    host = info.address.rpartition(":")[0]
+    return host or EMULATED_NODE_IP
 
 
 # A lost emulated host is noticed in seconds (Ray's defaults take about half a minute): the head
@@ -194,6 +205,8 @@ def _base_env(info: ClusterInfo) -> dict[str, str]:
     for k in ("RAY_ADDRESS", "TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS"):
         env.pop(k, None)
     env.update(info.ray_env())  # token auth, and Ray's background work kept low (QUIET_RAY)
+    if node_ip(info) == "127.0.0.1":  # the head's address is not known yet while it starts
+        env.update(LOOPBACK_RAY)
     env.update(FAST_HEALTH_CHECKS)
     env["RAY_prestart_worker_first_driver"] = "0"
     assert info.cluster_id
@@ -257,16 +270,8 @@ def start_emulated(
     cluster_id = ownership.new_cluster_id()
     temp_dir = ownership.make_temp_dir(cluster_id, state_dir())
     token_path = emulated_token_path(temp_dir)
-    fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
     info = ClusterInfo(address="", temp_dir=temp_dir, token_path=token_path, emulated=True,
                        slices=list(slices), log_monitor=log_monitor, cluster_id=cluster_id)
-    ports = free_ports(9 * len(hosts))
-    nodes = [node_spec(info, s, topology, w, ports[9 * i:9 * i + 9], head=i == 0, dashboard=dashboard)
-             for i, (s, w) in enumerate(hosts)]
-    if dashboard:
-        info.dashboard = f"127.0.0.1:{ports[8]}"  # the head's dashboard: Ray's job and log APIs
 
     def head_up(address: str) -> None:
         info.address = address
@@ -277,8 +282,16 @@ def start_emulated(
         s, w = hosts[i]
         say(f"host {w} of slice {s.name} joined")
 
-    say(f"starting the Ray head: host 0 of slice {hosts[0][0].name}")
-    try:
+    try:  # from here on, a failure leaves nothing: no process, no temp dir
+        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        ports = free_ports(9 * len(hosts))
+        nodes = [node_spec(info, s, topology, w, ports[9 * i:9 * i + 9], head=i == 0, dashboard=dashboard)
+                 for i, (s, w) in enumerate(hosts)]
+        if dashboard:
+            info.dashboard = f"127.0.0.1:{ports[8]}"  # the head's dashboard: Ray's job and log APIs
+        say(f"starting the Ray head: host 0 of slice {hosts[0][0].name}")
         _start_nodes(info, nodes, on_head=head_up, on_node=joined)
     except ClusterError as e:
         kept = keep_logs(info)

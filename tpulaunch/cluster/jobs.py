@@ -222,12 +222,27 @@ class JobApi:
         """A file under that node's Ray log directory (None if it is not there)."""
         q = urllib.parse.urlencode({"node_id": node_id, "filename": filename, "lines": -1})
         try:
-            return self._request("GET", f"/api/v0/logs/file?{q}").decode(errors="replace")
+            text = self._request("GET", f"/api/v0/logs/file?{q}").decode(errors="replace")
         except _HttpError as e:
             if e.code in (404, 500) and ("not found" in e.text.lower() or "no such file" in e.text.lower()
                                          or "does not exist" in e.text.lower()):
                 return None
             raise ClusterError(f"could not read {filename} on the head ({e.code}): {_first_line(e.text)}", "") from None
+        # Ray 2.60's log API now and then answers 200 with nothing for a file that is not there (seen
+        # after a run's files were removed): an empty answer is an empty file only if Ray lists it
+        return text if text or self.has_file(node_id, filename) else None
+
+    def has_file(self, node_id: str, filename: str) -> bool:
+        """Ray's log API lists `filename` (a path under that node's Ray log directory)."""
+        import glob
+
+        q = urllib.parse.urlencode({"node_id": node_id, "glob": glob.escape(filename)})
+        try:
+            doc = self._json("GET", f"/api/v0/logs?{q}", dict)
+        except _HttpError as e:
+            raise ClusterError(f"could not list {filename} on the head ({e.code}): {_first_line(e.text)}", "") from None
+        listed = (doc.get("data") or {}).get("result") or {}
+        return isinstance(listed, dict) and any(isinstance(v, list) and filename in v for v in listed.values())
 
 
 def _read_bounded(resp, url: str, timeout: float | None) -> bytes:  # noqa: ANN001 - an http.client response

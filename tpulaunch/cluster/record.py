@@ -13,9 +13,11 @@ holds no token. Nothing is guessed from such a file.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -38,17 +40,36 @@ def state_dir() -> Path:
     d = Path(raw) if raw else Path.home() / ".cache" / "tpulaunch"
     if raw is not None and not raw.strip():
         raise TpulaunchError(f"{HOME_ENV} is set but empty", "unset it, or set it to a directory of yours")
-    if d.exists() and not d.is_dir():
-        raise TpulaunchError(f"{HOME_ENV}={d} is a file, not a directory", "point it at a directory (or unset it)")
     try:
+        if d.exists() and not d.is_dir():
+            raise TpulaunchError(f"{HOME_ENV}={d} is a file, not a directory", "point it at a directory (or unset it)")
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         st = d.stat()
     except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:  # a bad value, not broken state: say so, and how long it was
+            shown = str(d)[:40] + ("..." if len(str(d)) > 40 else "")
+            raise TpulaunchError(f"{HOME_ENV} {shown!r} ({len(str(d))} characters) is too long a path for this system",
+                                 "set it to a shorter directory (or unset it)") from None
         raise StateError(f"tpulaunch's state directory {d} cannot be used: {e.strerror}",
                          f"set {HOME_ENV} to a directory you can write") from None
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise StateError(f"tpulaunch's state directory {d} can be written by others (mode {stat.S_IMODE(st.st_mode):04o}):"
                          " anyone could plant a cluster record there", f"chmod 700 {d}")
+    return d
+
+
+def writable_state_dir() -> Path:
+    """`state_dir()`, proven writable by writing in it (a mode bit says nothing to root, nor of a
+    read-only mount or an immutable directory). Commands that will write a record or a token ask
+    this before they start anything: a cluster that could not be recorded would be left behind."""
+    d = state_dir()
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tpl-write-check-", dir=d)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise StateError(f"tpulaunch's state directory {d} cannot be written ({e.strerror})",
+                         f"make it writable, or set {HOME_ENV} to a directory you can write") from None
     return d
 
 
@@ -70,6 +91,20 @@ QUIET_RAY = {
     # first lines reach its driver up to 0.5 s later
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
 }
+
+# An emulated cluster listens on loopback only: its nodes' address is 127.0.0.1, the one address
+# for which Ray 2.60 binds its servers (GCS, raylets, workers, agents, the dashboard's and the
+# autoscaler's metrics) to 127.0.0.1 instead of every interface. Ray's Python otherwise rewrites
+# 127.0.0.1 in a cluster address to this machine's outward IP (`services.resolve_ip_for_localhost`),
+# where nothing of the cluster listens; this setting (Ray's own, for single-machine clusters on
+# macOS and Windows: `ray_constants.ENABLE_RAY_CLUSTER`) keeps it, in every process of the cluster
+# and every driver of it. Read when `ray` is imported: set before that (`connect` does).
+LOOPBACK_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def on_loopback(address: str) -> bool:
+    """A cluster address Ray would rewrite to this machine's outward IP (`is_localhost`)."""
+    return address.removeprefix("ray://").rpartition(":")[0] in ("127.0.0.1", "localhost")
 
 
 @dataclass(frozen=True)
@@ -215,13 +250,16 @@ class ClusterInfo:
         return doc
 
     def ray_env(self) -> dict[str, str]:
-        """Environment a process needs to talk to this cluster (on an emulated one, also QUIET_RAY)."""
+        """Environment a process needs to talk to this cluster (on an emulated one, also QUIET_RAY; on
+        one at 127.0.0.1, LOOPBACK_RAY)."""
         env = {"RAY_USAGE_STATS_ENABLED": "0"}
         if self.token_path:
             env["RAY_AUTH_MODE"] = "token"
             env["RAY_AUTH_TOKEN_PATH"] = self.token_path
         if self.emulated:
             env.update(QUIET_RAY)
+        if on_loopback(self.address):
+            env.update(LOOPBACK_RAY)
         return env
 
 
@@ -243,8 +281,28 @@ def record_path() -> Path:
 
 
 def driver_log_path() -> Path:
-    """Where Ray's own output goes when no run's `ray.log` takes it (`RaysStderr`, the CLI's exit)."""
-    return state_dir() / "ray-driver.log"
+    """Where Ray's own output goes when no run's `ray.log` takes it (`RaysStderr`, the CLI's exit):
+    a file that is there or can be made; a link to one (or to /dev/null, to drop Ray's messages).
+
+    Anything else (a directory, a FIFO, whose open would block, a link to nothing) is broken state,
+    said in one line naming it (StateError), before Ray is asked anything. Not written elsewhere
+    instead: Ray's messages are what explains a failure, and the next command would not find them."""
+    p = state_dir() / "ray-driver.log"
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        if not p.is_symlink():
+            return p
+        raise StateError(f"tpulaunch's log of Ray's own messages {p} is a symbolic link to nothing",
+                         f"remove it (rm {p}); tpulaunch makes it again") from None
+    except OSError as e:
+        raise StateError(f"tpulaunch's log of Ray's own messages {p} cannot be used: {e.strerror}",
+                         f"remove it (rm -r {p}); tpulaunch makes it again") from None
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a file"
+        raise StateError(f"tpulaunch's log of Ray's own messages {p} is {what}",
+                         f"remove it (rm -r {p}); tpulaunch makes it again")
+    return p
 
 
 def emulated_token_path(temp_dir: str) -> str:
@@ -255,10 +313,16 @@ def save_record(info: ClusterInfo, path: Path | None = None) -> None:
     """Write the record (this machine's, or a copy at `path`: a run's `cluster.json`)."""
     p = path or record_path()
     tmp = p.with_name(p.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(info.to_dict(), f, indent=2)
-    os.replace(tmp, p)  # whole or not at all: a killed writer never leaves half a record
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(info.to_dict(), f, indent=2)
+        os.replace(tmp, p)  # whole or not at all: a killed writer never leaves half a record
+    except OSError as e:
+        if tmp.is_file() and not tmp.is_symlink():
+            tmp.unlink()
+        raise StateError(f"the cluster record {p} cannot be written: {e.strerror} ({tmp})",
+                         f"remove what is in the way, or set {HOME_ENV} to a directory you can write") from None
 
 
 def load_record(path: Path | None = None) -> ClusterInfo | None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from tpulaunch.errors import LaunchError, MeshError
 from tpulaunch.plan import topology as topo_mod
-from tpulaunch.plan.mesh import parse_axes
+from tpulaunch.plan.mesh import check_slice_count, parse_axes
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.plan.topology import Topology
 
@@ -128,12 +128,16 @@ def request_num_slices(req: SliceRequest) -> int:
 
 
 def _wanted_slices(req: SliceRequest) -> int:
-    if req.num_slices is not None and req.num_slices < 1:
-        raise MeshError(f"--num-slices {req.num_slices} is not a number of slices", "use 1 or more")
+    """Bounded before anything is planned per slice (`plan.mesh.check_slice_count`): a typo of a
+    billion slices is one line, not a minute of planning that ends in MemoryError."""
+    if req.num_slices is not None:
+        check_slice_count(req.num_slices)
     from_dcn = None
     if req.dcn:
         sizes = [n for _, n in parse_axes(req.dcn, "--dcn")]
         from_dcn = None if -1 in sizes else math.prod(sizes)
+        if from_dcn is not None:
+            check_slice_count(from_dcn, f"--dcn {req.dcn} ({from_dcn} slices)")
     if req.num_slices is not None and from_dcn is not None and req.num_slices != from_dcn:
         raise MeshError(f"--dcn spans {from_dcn} slices but --num-slices is {req.num_slices}", "make them agree")
     return req.num_slices or from_dcn or 1

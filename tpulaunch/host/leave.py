@@ -43,18 +43,21 @@ def in_order(state: "HostState") -> None:
     timeout_s = settings.host_seconds(_TIMEOUT)
     token = f"tpulaunch-leave {state.run_id} {state.attempt}"
     if state.process_index == 0:
-        _last(port, token, state.num_processes - 1, timeout_s)
+        _last(state.endpoints.host, port, token, state.num_processes - 1, timeout_s)
     else:
         _announce(state.endpoints.host, port, token, state.process_index, timeout_s)
 
 
-def _last(port: int, token: str, others: int, timeout_s: float) -> None:
+def _last(host: str, port: int, token: str, others: int, timeout_s: float) -> None:
+    """Process 0: listen where the others reach it (its own address on the slice; loopback on an
+    emulated one: nothing of a run listens beyond where its hosts are), and return once every other
+    host has said it is leaving and its connection has closed (or `timeout_s` passes)."""
     end = time.monotonic() + timeout_s
     _room_for(others + 64)  # a pod's process 0 holds a connection per other host (v5p-12288: 1,535)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind(("", port))
+        listener.bind((host, port))
         listener.listen(min(others, 4096))
     except OSError as e:  # the script ended well: that stays its outcome, in order or not
         listener.close()

@@ -278,14 +278,22 @@ class MeshPlan:
         return doc
 
 
+def check_slice_count(num_slices: int, asked: str | None = None) -> None:
+    """1 to MAX_SLICES slices, checked before anything is built per slice: a typo of a billion
+    slices is one line at once, not a minute of planning that ends in MemoryError. `asked`: the
+    flag as the user gave it (default `--num-slices N`)."""
+    asked = asked or f"--num-slices {num_slices}"
+    if num_slices < 1:
+        raise MeshError(f"{asked} is not a number of slices", "use 1 or more")
+    if num_slices > MAX_SLICES:
+        raise MeshError(f"{asked} is more slices than a multislice job can have ({MAX_SLICES})",
+                        "the largest published multislice run spans 199 slices; check the number")
+
+
 def check_num_slices(topology: Topology, num_slices: int) -> None:
     """How many slices a multislice of `topology` may have: 1 to MAX_SLICES, and more than one only
     for generations Cloud TPU Multislice supports (v4 and later)."""
-    if num_slices < 1:
-        raise MeshError(f"--num-slices {num_slices} is not a number of slices", "use 1 or more")
-    if num_slices > MAX_SLICES:
-        raise MeshError(f"--num-slices {num_slices} is more slices than a multislice job can have ({MAX_SLICES})",
-                        "check the number")
+    check_slice_count(num_slices)
     if num_slices > 1 and topology.generation.name in ("v2", "v3"):
         raise MeshError(f"{topology.generation.name} slices do not form a multislice (Cloud TPU Multislice is v4 and later)",
                         "use one slice, or a v4 or later generation")

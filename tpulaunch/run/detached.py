@@ -29,7 +29,7 @@ from tpulaunch import discover
 from tpulaunch.cluster.jobs import JobApi, JobInfo
 from tpulaunch.cluster.record import ClusterInfo, check_token_file
 from tpulaunch.run.paths import RunPaths
-from tpulaunch.errors import ClusterError, LaunchError
+from tpulaunch.errors import ClusterError, LaunchError, TpulaunchError
 from tpulaunch.plan.launch import new_run_id
 from tpulaunch.run.prepare import LaunchRequest
 from tpulaunch.run.status import RunState, RunView
@@ -345,8 +345,27 @@ def run_output(driver_log: str) -> str:
     return "".join(line for line in driver_log.splitlines(keepends=True) if not _RAYS_OWN.match(line))
 
 
-def follow_driver_log(api: JobApi, run_id: str, poll_s: float = 0.5):  # noqa: ANN201 - Iterator[str]
-    """The supervisor's output as it grows (whole lines), until the run ends (then the rest)."""
+def no_log(run_id: str) -> TpulaunchError:
+    """The one line for a run whose log the head does not have (its files were removed, or the run
+    never started): exit 2, never an empty success."""
+    return TpulaunchError(f"run {run_id} has no log on the cluster's head: its files were removed (or it never"
+                          " started)", f"`tpulaunch status {run_id}` still shows how it ended")
+
+
+def driver_output(api: JobApi, job: JobInfo) -> str:
+    """What the run's supervisor printed (`run_output`); `no_log` for a run that ended without a log
+    (a supervisor always prints, so an empty log of an ended run is one that is gone)."""
+    text = api.driver_log(job.submission_id)
+    if not text and job.terminal:
+        raise no_log(job.submission_id)
+    return run_output(text)
+
+
+def follow_driver_log(api: JobApi, run_id: str, poll_s: float = 0.5,  # noqa: ANN201 - Iterator[str]
+                      require_log: bool = False):
+    """The supervisor's output as it grows (whole lines), until the run ends (then the rest);
+    with `require_log`, `no_log` if it ended with none (`tpulaunch logs`; a `run --follow` ends
+    with the run's own exit code instead)."""
     seen = 0
     while True:
         job = api.info(run_id)
@@ -359,6 +378,8 @@ def follow_driver_log(api: JobApi, run_id: str, poll_s: float = 0.5):  # noqa: A
             yield run_output(text[seen:end])
             seen = end
         if done:
+            if require_log and not seen:
+                raise no_log(run_id)
             return
         time.sleep(poll_s)
 
@@ -372,12 +393,14 @@ def follow_host_log(api: JobApi, job: JobInfo, host: int, attempt: int | None, f
     if not job.driver_node_id:
         raise TpulaunchError(f"run {job.submission_id} has not started on the head yet", "try again in a moment")
     name = str(run_paths(job.submission_id).host_log(k, host))
-    seen = 0
+    missing = TpulaunchError(f"run {job.submission_id} has no log of host {host} in attempt {k}",
+                             "see `tpulaunch status " + job.submission_id + "` for its hosts and attempts")
+    seen, found = 0, False
     while True:
         text = api.read_file(job.driver_node_id, name)
         if text is None and not follow:
-            raise TpulaunchError(f"run {job.submission_id} has no log of host {host} in attempt {k}",
-                                 "see `tpulaunch status " + job.submission_id + "` for its hosts and attempts")
+            raise missing
+        found = found or text is not None
         text = text or ""
         if len(text) > seen:
             yield text[seen:]
@@ -385,9 +408,12 @@ def follow_host_log(api: JobApi, job: JobInfo, host: int, attempt: int | None, f
         info = api.info(job.submission_id)
         if not follow or info is None or info.terminal:
             if follow:
-                rest = api.read_file(job.driver_node_id, name) or ""
-                if len(rest) > seen:
+                rest = api.read_file(job.driver_node_id, name)
+                found = found or rest is not None
+                if rest is not None and len(rest) > seen:
                     yield rest[seen:]
+                if not found:  # the run ended and its host's log never was there (or was removed)
+                    raise missing
             return
         time.sleep(1.0)
 

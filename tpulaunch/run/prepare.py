@@ -23,7 +23,7 @@ from tpulaunch.host import frameworks
 from tpulaunch.plan import torch_tpu
 from tpulaunch.plan.frameworks import Framework, facts as fw_facts, ports as plan_ports
 from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache, new_run_id, parse_env
-from tpulaunch.plan.mesh import MAX_SLICES, plan_mesh
+from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.run.policy import Budgets
 from tpulaunch.run.supervision import Lifecycle, Recovery, Supervision, Watching
 
@@ -382,12 +382,7 @@ def validate(req: LaunchRequest) -> dict[str, str]:
         raise LaunchError(f"--rehearse compiles here, in one process of this Python, and starts no cluster: it goes"
                           f" without {'--address' if req.address is not None else '--python'}",
                           "name the slice with --topology/--accelerator (or --tpu)")
-    if req.slices.num_slices is not None:
-        if req.slices.num_slices < 1:
-            raise LaunchError(f"--num-slices {req.slices.num_slices} is not a number of slices", "use 1 or more")
-        if req.slices.num_slices > MAX_SLICES:
-            raise LaunchError(f"--num-slices {req.slices.num_slices} is more slices than a multislice job can have"
-                              f" ({MAX_SLICES})", "check the number")
+    discover.request_num_slices(req.slices)  # --num-slices / --dcn bounded before any slice is planned
     check_log_dir(req.log_dir)
     if req.compile_cache and "://" not in req.compile_cache:  # a local cache dir (gs:// is the framework's)
         check_log_dir(req.compile_cache, "--compile-cache")

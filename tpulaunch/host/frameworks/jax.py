@@ -72,6 +72,9 @@ class Jax:
                 cluster_detection_method="deactivate",  # every value is explicit; detect nothing
                 initialization_timeout=int(settings.seconds("TPULAUNCH_JAX_INIT_TIMEOUT",
                                                             settings.host_seconds("TPULAUNCH_DIST_TIMEOUT"))),
+                # an emulated slice's hosts are this machine: its coordinator listens on loopback only
+                # (JAX's default is every interface)
+                **({"coordinator_bind_address": address} if state.job.local else {}),
             )
             self._initialized = True
             _adopt_user_initialize(self, state)
