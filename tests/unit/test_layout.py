@@ -192,3 +192,12 @@ def test_a_scripts_import_tpulaunch_loads_no_launcher():
     heavy = sorted(m for m in _closure("tpulaunch") if _stage(m) in ("run", "cluster", "providers", "discover", "cli")
                    or m == "tpulaunch.client")
     assert heavy == []
+
+
+def test_every_test_module_has_a_name_of_its_own():
+    """pytest imports test modules by their base name (no packages under tests/): two files of one
+    name in tests/unit and tests/integration stop the whole suite at collection."""
+    seen: dict[str, list[str]] = {}
+    for path in (PKG.parent / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(PKG.parent)))
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}

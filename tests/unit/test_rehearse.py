@@ -1,7 +1,7 @@
 """`run --rehearse`, its pure parts: the verdict and its bytes, the table, the records read back,
 the target's HBM and libtpu arguments, and what is refused before anything starts.
 
-The rehearsal itself (a process, JAX and libtpu compiling) is in tests/integration/test_rehearse.py.
+The rehearsal itself (a process, JAX and libtpu compiling) is in tests/integration/test_rehearsal_runs.py.
 """
 
 from __future__ import annotations
