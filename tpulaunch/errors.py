@@ -22,6 +22,7 @@ class ExitCode:
     TPU_BUSY = 87  # a leftover process holds a host's TPU
     REHEARSAL = 88  # `run --rehearse`: a program does not fit the target TPU's memory, or its compiler refuses it
     TIMEOUT = 124  # --timeout or --stall-timeout ran out (as timeout(1) exits)
+    CANNOT_START = 127  # a host's command could not be started (not found, not executable: as a shell says)
     INTERRUPTED = 130  # SIGINT
     TERMINATED = 143  # SIGTERM
 

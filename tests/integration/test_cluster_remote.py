@@ -28,7 +28,7 @@ from fakes.tpu_api_server import FakeTpuApi, end_vms, make_node, standard_nodes
 
 from tpulaunch import gcloud, procfs
 from tpulaunch.errors import ExitCode
-from tpulaunch.cluster import remote as ray_remote
+from tpulaunch.cluster import worker_commands
 from tpulaunch.host import tpu_holders
 from tpulaunch.plan import topology
 
@@ -284,9 +284,9 @@ def test_ssh_quoting_with_hostile_strings(tmp_path, monkeypatch):
     # The product's remote `ray start` line splits back into exactly its words.
     import shlex
 
-    words = ray_remote.ray_start_words(python="/opt/my py/bin/python3", node_ip="10.0.0.2", temp_dir="/tmp/a b;c",
+    words = worker_commands.ray_start_words(python="/opt/my py/bin/python3", node_ip="10.0.0.2", temp_dir="/tmp/a b;c",
                                        port=6379, head=False, head_ip="10.0.0.1")
-    line = ray_remote.start_command(words, "/tmp/a b;c", "abc123")
+    line = worker_commands.start_command(words, "/tmp/a b;c", "abc123")
     # after the token and the marker: the 3 auth words, the cluster id, then exactly the words
     assert shlex.split(line.rsplit(" && ", 1)[1])[3:] == ["TPULAUNCH_CLUSTER_ID=abc123", *words]
     with pytest.raises(ValueError):

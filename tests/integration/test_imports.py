@@ -23,7 +23,7 @@ def test_planning_and_the_adapters_load_no_framework_and_no_ray():
         "a0 = sorted(m for m in ('ray', 'torch', 'torch_xla', 'jax', 'numpy') if m in sys.modules)\n"
         "import tpulaunch.plan.mesh as M, tpulaunch.plan.topology as T\n"
         "p = M.plan_mesh(T.resolve('v4-32'), 'data=2,model=-1')\n"
-        "p.sharding((8, 8), ('data', 'model'))\n"
+        "import tpulaunch.plan.sharding as S; S.shard(p, (8, 8), ('data', 'model'))\n"
         "a = a0 + sorted(m for m in ('ray', 'torch', 'torch_xla', 'jax') if m in sys.modules)  # numpy: plan's one dependency\n"
         "import tpulaunch.host.frameworks.torch_xla, tpulaunch.host.frameworks.jax  # lazy: import nothing yet\n"
         "b = sorted(m for m in ('ray', 'torch', 'torch_xla', 'jax') if m in sys.modules)\n"

@@ -15,6 +15,7 @@ import textwrap
 import pytest
 
 from tpulaunch.plan import mesh as M
+from tpulaunch.plan.sharding import shard
 from tpulaunch.plan import topology as T
 
 # (case id, topology kwargs, mesh, dcn, num_slices, tensor shape, partition spec)
@@ -167,7 +168,7 @@ def test_mark_sharding_matches_the_planned_hlo(xla_runs, n, case):
     assert tuple(got["axis_names"]) == plan.axis_names
     assert got["is_global"]
     # and torch_xla shards the tensor exactly as the plan says
-    assert got["hlo"] == plan.sharding(shape, spec).hlo
+    assert got["hlo"] == shard(plan, shape, spec).hlo
 
 
 def test_specs_cover_the_interesting_hlo_forms(xla_runs):

@@ -14,21 +14,21 @@ import time
 
 import pytest
 
-from tpulaunch.cluster import ownership, remote, worker_query, worker_stop
+from tpulaunch.cluster import ownership, worker_commands, worker_query, worker_stop
 
 
 def _answer(command: str) -> dict:
     proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60,
                           env={"PATH": os.environ["PATH"]})  # nothing of tpulaunch's on the other side
-    line = next(l for l in proc.stdout.splitlines() if l.startswith(remote.JSON_MARK))
-    return json.loads(line[len(remote.JSON_MARK):])
+    line = next(l for l in proc.stdout.splitlines() if l.startswith(worker_commands.JSON_MARK))
+    return json.loads(line[len(worker_commands.JSON_MARK):])
 
 
 @pytest.mark.parametrize("keep_dir", [False, True], ids=["down", "after a failed ray start"])
 def test_the_stop_program_ends_the_clusters_processes_only_and_removes_its_marked_dir(tmp_path, keep_dir):
     """`cluster down` removes the marked dir; a `ray start` that failed keeps it (Ray's logs, which
     its error points at)."""
-    assert worker_stop.MARKER == ownership.MARKER and worker_stop.JSON_MARK == remote.JSON_MARK
+    assert worker_stop.MARKER == ownership.MARKER and worker_stop.JSON_MARK == worker_commands.JSON_MARK
     d = tmp_path / "ray-tmp"
     d.mkdir()
     (d / ownership.MARKER).write_text(json.dumps({"cluster_id": "cid-1"}))
@@ -38,7 +38,7 @@ def test_the_stop_program_ends_the_clusters_processes_only_and_removes_its_marke
     holder = subprocess.Popen(["sleep", "60"], stdout=open(d / "out.log", "w"))  # a user's `tail -f` of a log inside
     time.sleep(0.3)
     try:
-        doc = _answer(remote.stop_command(sys.executable, str(d), "cid-1", keep_dir=keep_dir))
+        doc = _answer(worker_commands.stop_command(sys.executable, str(d), "cid-1", keep_dir=keep_dir))
         assert doc == {"stopped": 2, "left": [], "removed": not keep_dir}
         assert ours.wait(5) is not None
         assert other.poll() is None and holder.poll() is None  # not the cluster's: left alone

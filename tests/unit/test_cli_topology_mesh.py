@@ -310,6 +310,7 @@ def _render(renderable) -> str:
 def test_rich_topology_and_mesh_render():
     from tpulaunch.plan import mesh as M
     from tpulaunch.plan import topology as T
+    from tpulaunch.plan.sharding import shard
     from tpulaunch.cli import render
 
     t = T.resolve("tpu7x-16")
@@ -322,7 +323,7 @@ def test_rich_topology_and_mesh_render():
     assert "mesh data=4, model=4 over v6e-16 (2x8), 16 devices" in text
     assert "model=3" in text and "colored by host" in text
     assert "0-3" in text and "12-15" in text
-    text = _render(render.sharding_rich(plan.sharding((1024, 4096), ("data", "model"))))
+    text = _render(render.sharding_rich(shard(plan, (1024, 4096), ("data", "model"))))
     assert "shard shape: 256x1024" in text and "{devices=[4,4]" in text
 
 

@@ -1,4 +1,4 @@
-"""`MeshPlan` and `ShardingPlan` (tpulaunch/mesh.py): pure data, planned from a Topology alone."""
+"""`MeshPlan` (tpulaunch/plan/mesh.py) and `ShardingPlan` (tpulaunch/plan/sharding.py): pure data, planned from a Topology alone."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pickle
 import pytest
 
 from tpulaunch.plan import mesh as M
+from tpulaunch.plan import sharding as S
 from tpulaunch.plan import topology as T
 from tpulaunch.errors import MeshError
 
@@ -329,7 +330,7 @@ def test_default_tpu7x_grid_keeps_cores_of_a_chip_together():
 
 def test_sharding_full_2d():
     plan = M.plan_mesh(topo("2x8"))  # v6e 2x8: 4 hosts of 4
-    s = plan.sharding((1024, 4096), ("data", "model"))
+    s = S.shard(plan, (1024, 4096), ("data", "model"))
     assert s.tile_shape == (4, 4)
     assert s.shard_shape == (256, 1024)
     assert s.replicate == 1
@@ -338,23 +339,23 @@ def test_sharding_full_2d():
 
 def test_sharding_partial_replication_sorts_each_group():
     plan = M.plan_mesh(topo("2x8"))
-    s = plan.sharding((1024, 4096), ("data", None))
+    s = S.shard(plan, (1024, 4096), ("data", None))
     assert s.shard_shape == (256, 4096) and s.replicate == 4
     assert s.hlo == "{devices=[4,1,4]0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15 last_tile_dim_replicate}"
-    s = plan.sharding((8, 8), (None, "model"))
+    s = S.shard(plan, (8, 8), (None, "model"))
     assert s.hlo == "{devices=[1,4,4]0,4,8,12,1,5,9,13,3,7,11,15,2,6,10,14 last_tile_dim_replicate}"
 
 
 def test_sharding_replicated_and_tuple_specs():
     plan = M.plan_mesh(topo("2x8"))
-    assert plan.sharding((8, 8), (None, None)).hlo == "{replicated}"
-    s = plan.sharding((64, 3), (("data", "model"), None))
+    assert S.shard(plan, (8, 8), (None, None)).hlo == "{replicated}"
+    s = S.shard(plan, (64, 3), (("data", "model"), None))
     assert s.tile_shape == (16, 1) and s.shard_shape == (4, 3)
     assert s.hlo == "{devices=[16,1]" + ",".join(map(str, plan.device_ids())) + "}"
-    s = plan.sharding((64, 3), (("model", "data"), None))
+    s = S.shard(plan, (64, 3), (("model", "data"), None))
     assert s.hlo == "{devices=[16,1]0,4,8,12,1,5,9,13,3,7,11,15,2,6,10,14}"
     # axes by index work too
-    assert plan.sharding((8, 8), (0, 1)).hlo == plan.sharding((8, 8), ("data", "model")).hlo
+    assert S.shard(plan, (8, 8), (0, 1)).hlo == S.shard(plan, (8, 8), ("data", "model")).hlo
 
 
 @pytest.mark.parametrize(
@@ -369,7 +370,7 @@ def test_sharding_replicated_and_tuple_specs():
 )
 def test_sharding_blocks_cover_the_tensor_once_and_every_device_once(spec, tensor, pspec):
     plan = M.plan_mesh(topo(spec))
-    s = plan.sharding(tensor, pspec)
+    s = S.shard(plan, tensor, pspec)
     blocks = s.blocks()
     assert len(blocks) == math.prod(s.tile_shape)
     devices = [d for _, devs in blocks for d in devs]
@@ -388,7 +389,7 @@ def test_sharding_blocks_cover_the_tensor_once_and_every_device_once(spec, tenso
 
 def test_sharding_on_a_multislice_mesh():
     plan = M.plan_mesh(topo("v6e-8"), "data=2,model=4", "data=2")
-    s = plan.sharding((16, 16), ("data", "model"))
+    s = S.shard(plan, (16, 16), ("data", "model"))
     assert s.tile_shape == (4, 4)
     # slice 0 holds the first two row-blocks, slice 1 the last two
     rows = [devs[0] // 8 for _, devs in s.blocks()]
@@ -408,20 +409,20 @@ def test_sharding_on_a_multislice_mesh():
 def test_bad_sharding_is_a_clear_error(tensor, pspec, words):
     plan = M.plan_mesh(topo("2x8"))
     with pytest.raises(MeshError) as ei:
-        plan.sharding(tensor, pspec)
+        S.shard(plan, tensor, pspec)
     for w in words:
         assert w in ei.value.line()
 
 
 def test_parse_spec_and_tensor_shape():
-    assert M.parse_spec("data,model") == ("data", "model")
-    assert M.parse_spec("data+model,None") == (("data", "model"), None)
-    assert M.parse_spec("-, model,_,none,") == (None, "model", None, None, None)
-    assert M.parse_tensor_shape("1024x4096") == (1024, 4096)
-    assert M.parse_tensor_shape("7") == (7,)
+    assert S.parse_spec("data,model") == ("data", "model")
+    assert S.parse_spec("data+model,None") == (("data", "model"), None)
+    assert S.parse_spec("-, model,_,none,") == (None, "model", None, None, None)
+    assert S.parse_tensor_shape("1024x4096") == (1024, 4096)
+    assert S.parse_tensor_shape("7") == (7,)
     for bad in ("1024x", "ax4", "0x4", "-1x4"):
         with pytest.raises(MeshError):
-            M.parse_tensor_shape(bad)
+            S.parse_tensor_shape(bad)
 
 
 def test_to_dict_schema():

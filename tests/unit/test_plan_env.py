@@ -116,19 +116,19 @@ def test_a_host_process_has_the_nodes_tpu_grid_and_the_plans_slices(monkeypatch)
     of a multislice job. The TPU grid is the node's (the device plugin sets it beside
     TPU_SKIP_MDS_QUERY, and libtpu then reads nothing else), not Ray's sub-host rewrite of it in the
     agent's own worker. The slices are the plan's: after a shrink to one slice, nothing says two."""
-    from tpulaunch.host import agent
+    from tpulaunch.host import environment
 
     node = {"TPU_SKIP_MDS_QUERY": "true", "TPU_HOST_BOUNDS": "1,1,4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
             "MEGASCALE_COORDINATOR_ADDRESS": "10.9.9.9", "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1",
             "MEGASCALE_PORT": "8080", "MEGASCALE_GRPC_ENABLE_XOR_TRACER": "false"}
     for k, v in {**node, "TPU_HOST_BOUNDS": "1,1,1", "TPU_CHIPS_PER_HOST_BOUNDS": "1,1,1", "TPU_VISIBLE_CHIPS": "0"}.items():
         monkeypatch.setenv(k, v)  # the agent's worker: Ray's sub-host values over the node's
-    monkeypatch.setattr(agent, "_raylet_env", lambda: node)
+    monkeypatch.setattr(environment, "_raylet_env", lambda: node)
     full = golden_plans()["real-2xv4-32-torch_xla"]
     for plan in (full, full.on_fleet([full.slices[0].name], {})):
         for h in plan.hosts:
             static, per_run = split_env(plan.state(h.process_index))
-            env = {**agent.host_env(), **static, **per_run}
+            env = {**environment.host_env(), **static, **per_run}
             assert (env["TPU_HOST_BOUNDS"], env["TPU_CHIPS_PER_HOST_BOUNDS"]) == ("1,1,4", "2,2,1")
             assert "TPU_VISIBLE_CHIPS" not in env and env["TPU_SKIP_MDS_QUERY"] == "true"
             assert env["MEGASCALE_GRPC_ENABLE_XOR_TRACER"] == "false"  # a setting of the node's own: kept

@@ -1,6 +1,6 @@
 """`tpulaunch cluster up --tpu`, `cluster join`, `cluster doctor`, and `down`/`status` of real slices.
 
-Thin: `tpulaunch.cluster.remote` does the work over gcloud ssh, `tpulaunch.host.tpu_holders` looks at the
+Thin: `tpulaunch.cluster.remote` (and `.join`) does the work over gcloud ssh, `tpulaunch.host.tpu_holders` looks at the
 TPU devices; this module parses and renders (a live per-host status on a terminal, one plain
 line per host state change in a pipe, `--json`).
 """
@@ -18,8 +18,8 @@ import typer
 
 from tpulaunch.cluster import tokens
 from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, save_record, state_dir
-from tpulaunch.cluster.remote import DEFAULT_PORT as RAY_PORT_DEFAULT  # the flags' defaults are the cluster's
-from tpulaunch.cluster.remote import DEFAULT_PYTHON as REMOTE_PYTHON_DEFAULT
+from tpulaunch.cluster.worker_commands import DEFAULT_PORT as RAY_PORT_DEFAULT  # the flags' defaults are the cluster's
+from tpulaunch.cluster.worker_commands import DEFAULT_PYTHON as REMOTE_PYTHON_DEFAULT
 from tpulaunch.host import tpu_holders
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
@@ -196,7 +196,7 @@ def register(cluster_app: typer.Typer) -> None:
         --command 'tpulaunch cluster join --token-stdin' < token`.
         """
         from tpulaunch import discover
-        from tpulaunch.cluster.remote import join_local
+        from tpulaunch.cluster.join import join_local
 
         out = Output(json_mode=json_out)
         if not math.isfinite(timeout) or timeout <= 0:

@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from tpulaunch.plan import mesh as mesh_mod
+from tpulaunch.plan import sharding as sharding_mod
 from tpulaunch import discover
 from tpulaunch.cli import app, render
 from tpulaunch.cli import options as opt
@@ -60,7 +61,7 @@ def inspect(
     if shard or spec:
         if not (shard and spec):
             raise MeshError("--shard and --spec go together", "e.g. --shard 1024x4096 --spec data,model")
-        sharding = plan.sharding(mesh_mod.parse_tensor_shape(shard), mesh_mod.parse_spec(spec))
+        sharding = sharding_mod.shard(plan, sharding_mod.parse_tensor_shape(shard), sharding_mod.parse_spec(spec))
     if json_out:
         doc = plan.to_dict()
         if sharding is not None:

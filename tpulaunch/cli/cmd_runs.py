@@ -283,7 +283,7 @@ def stacks_cmd(run: str = typer.Argument("last", metavar="RUN", help="A run id, 
     else:  # the run's files, and its Ray, are on the head: ask there
         # There, Ray's job manager gives the job the cluster's address (RAY_ADDRESS) and token.
         code, text = detached.run_tool(detached.job_api(cluster), ["stacks", run, "--json", "--direct", "--address", "auto"],
-                                       python=head_python(cluster) or "python3")
+                                       python=head_python(cluster))
         start = 0 if text.startswith("{") else text.find("\n{") + 1
         if code != 0 or not start and not text.startswith("{"):
             said = text.strip().splitlines()[-1] if text.strip() else f"exit {code}"

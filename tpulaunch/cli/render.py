@@ -14,7 +14,8 @@ from rich.text import Text
 
 from tpulaunch.cli.output import host_color
 from tpulaunch.plan.launch import LaunchPlan
-from tpulaunch.plan.mesh import MeshPlan, ShardingPlan
+from tpulaunch.plan.mesh import MeshPlan
+from tpulaunch.plan.sharding import ShardingPlan
 from tpulaunch.plan.topology import Topology
 
 MAX_ROWS = 64  # tables longer than this are cut (the JSON form is never cut)

@@ -1,8 +1,8 @@
-"""Ray on a real TPU slice: bring-up over `gcloud ... tpu-vm ssh`, and `cluster join` on a TPU VM.
+"""Ray on a real TPU slice, brought up over `gcloud ... tpu-vm ssh` (`cluster join` on a VM is `join.py`).
 
-`emulated.py` starts emulated clusters on this machine; this module builds the commands that start,
-query and stop Ray *on the slice's own VMs* and runs them through `tpulaunch.gcloud` (the only
-module that runs gcloud). Nothing here opens a socket to the slice from the laptop: Ray's ports
+`emulated.py` starts emulated clusters on this machine; this module runs the commands that start,
+query and stop Ray *on the slice's own VMs* (`worker_commands.py` builds them) through
+`tpulaunch.gcloud` (the only module that runs gcloud). Nothing here opens a socket to the slice from the laptop: Ray's ports
 on TPU VMs are internal, so the head is asked through ssh to worker 0.
 
 What runs on each worker (every piece quoted with `shlex.quote`; nothing user-given unquoted):
@@ -25,10 +25,7 @@ What runs on each worker (every piece quoted with `shlex.quote`; nothing user-gi
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shlex
 import socket
 import subprocess
 import sys
@@ -40,94 +37,17 @@ from typing import Callable
 
 from tpulaunch import gcloud
 from tpulaunch.gcloud import SSH_TIMEOUT
-from tpulaunch.cluster import worker_query, worker_start, worker_stop
-from tpulaunch.cluster.ownership import ID_ENV, MARKER
+from tpulaunch.cluster.worker_commands import (DEFAULT_PORT, DEFAULT_PYTHON, MAX_PARALLEL_SSH, _marked_json, _tail,
+                                              cluster_key, default_temp_dir, local_auth_env, query_command,
+                                              query_words, ray_start_words, setup_stdin, start_command, stop_command)
+from tpulaunch.cluster.ownership import ID_ENV
 from tpulaunch.cluster.record import ClusterInfo, RemoteSpec, state_dir
 from tpulaunch.cluster.tokens import cluster_id_of, ensure_token, token_file
 from tpulaunch.errors import ClusterError
 from tpulaunch.plan.slicespec import SliceSpec
 
-DEFAULT_PORT = 6379
-DEFAULT_PYTHON = "python3"
-JSON_MARK = worker_query.JSON_MARK
-REMOTE_TOKEN = '"$HOME"/.tpulaunch/ray_token'  # a fixed fragment of ours: $HOME expands remotely
-WRITE_TOKEN = f'umask 077 && mkdir -p "$HOME"/.tpulaunch && cat > {REMOTE_TOKEN}'
-AUTH_ENV = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={REMOTE_TOKEN} RAY_USAGE_STATS_ENABLED=0"
-MAX_PARALLEL_SSH = 16
-
 Progress = Callable[[int, str], None]  # (worker id, or HEAD for a head off the slice; state text)
 HEAD = -1
-
-
-def cluster_key(project: str, zone: str, name: str) -> str:
-    return hashlib.sha256(f"{project}/{zone}/{name}".encode()).hexdigest()[:10]
-
-
-def default_temp_dir(project: str, zone: str, name: str) -> str:
-    return f"/tmp/tpl-{cluster_key(project, zone, name)}"  # short: Ray socket paths must fit 107 bytes
-
-
-# -- commands run on a worker ---------------------------------------------------------------------
-
-
-def ray_start_words(
-    *, python: str, node_ip: str, temp_dir: str, port: int, head: bool, head_ip: str | None = None,
-    dashboard: bool = False,
-) -> list[str]:
-    """argv of `ray start` on one TPU VM (head on worker 0, join elsewhere): Ray's CLI with a patient
-    wait for the raylet (`worker_start`)."""
-    argv = [python, "-c", _source(worker_start), "start",
-            "--node-ip-address", node_ip, "--temp-dir", temp_dir,
-            "--dashboard-agent-listen-port", "0", "--min-worker-port", "0", "--max-worker-port", "0",
-            "--disable-usage-stats"]
-    if head:
-        argv += ["--head", "--port", str(port), "--include-dashboard", "true" if dashboard else "false",
-                 "--dashboard-host", "127.0.0.1"]
-    else:
-        argv += ["--address", f"{head_ip}:{port}"]
-    return argv
-
-
-def start_command(words: list[str], temp_dir: str, cluster_id: str) -> str:
-    """Store the token sent on stdin owner-only, mark the temp dir, then `ray start` with token auth on
-    and the cluster's id in the environment of every Ray process it starts."""
-    marker = json.dumps({"cluster_id": cluster_id})
-    mark = (f"mkdir -p {shlex.quote(temp_dir)} && printf %s {shlex.quote(marker)}"
-            f" > {shlex.quote(temp_dir + '/' + MARKER)}")
-    return (f"{WRITE_TOKEN} && {mark} && {AUTH_ENV} {gcloud.env_assignments({ID_ENV: cluster_id})}"
-            f" {gcloud.shell_words(words)}")
-
-
-def _source(module) -> str:  # noqa: ANN001 - a module of this package
-    """A worker program's source, sent with `python -c` (the worker needs no tpulaunch)."""
-    return Path(module.__file__).read_text()
-
-
-
-
-def query_command(python: str, head_ip: str, port: int) -> str:
-    return f"{AUTH_ENV} {gcloud.shell_words([python, '-c', _source(worker_query), f'{head_ip}:{port}'])}"
-
-
-def stop_command(python: str, temp_dir: str, cluster_id: str, keep_dir: bool = False) -> str:
-    """`worker_stop` as a command for a worker; `keep_dir`: its temp dir (Ray's logs) is kept."""
-    keep = ["--keep-dir"] if keep_dir else []
-    return gcloud.shell_words([python, "-c", _source(worker_stop), temp_dir, cluster_id, *keep])
-
-
-def _marked_json(text: str) -> dict | None:
-    for line in reversed(text.splitlines()):
-        if line.startswith(JSON_MARK):
-            try:
-                return json.loads(line[len(JSON_MARK):])
-            except ValueError:
-                return None
-    return None
-
-
-def _tail(proc: subprocess.CompletedProcess, n: int = 3) -> str:
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and not ln.startswith(JSON_MARK)]
-    return " | ".join(lines[-n:])
 
 
 # -- a cluster on a slice, driven from anywhere gcloud works --------------------------------------
@@ -143,20 +63,6 @@ def route_ip(peer: str) -> str:
         except OSError:
             raise ClusterError(f"this machine has no route to worker 0 ({peer})",
                                "run `cluster up --head local` on a machine in the slice's network, or pass --head-ip") from None
-
-
-# gcloud runs an ssh that exits 255 again, up to 10 times (OpenSSH's own failures exit 255, so it cannot
-# tell them from the remote command's), on the stdin the first run has read: a set-up script exiting 255
-# would run again as an empty script and "succeed". Its 255 is reported as 254.
-SETUP_255 = 254
-
-
-def setup_stdin(setup: str) -> str:
-    """What `bash -s` on a worker reads: the set-up script (`set -e`) in a subshell whose exit status
-    255 leaves as SETUP_255, with a line saying so."""
-    said = f"tpulaunch: the setup exited 255, reported as {SETUP_255} (gcloud runs an ssh that exits 255 again)"
-    return (f"(\nset -e\n{setup}\n)\nrc=$?\nif [ \"$rc\" -eq 255 ]; then\n"
-            f"  echo '{said}' >&2\n  exit {SETUP_255}\nfi\nexit \"$rc\"\n")
 
 
 @dataclass(frozen=True)
@@ -224,9 +130,8 @@ class RemoteSlice:
         {"head": bool, "nodes": [...]}."""
         if self.head is not None:
             token = token_file(self.key)
-            env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0"}
-            proc = subprocess.run([self.head.python, "-c", _source(worker_query), self.address], env=env, capture_output=True,
-                                  text=True, timeout=120)
+            proc = subprocess.run(query_words(self.head.python, self.address), env={**os.environ, **local_auth_env(str(token))},
+                                  capture_output=True, text=True, timeout=120)
         else:
             proc = self.ssh(0, query_command(self.python, self.head_ip, self.port))
         doc = _marked_json(proc.stdout)
@@ -482,58 +387,3 @@ class RemoteCluster:
         rs.spec = fresh
         rs.up(progress=progress, replaced=replaced, replaced_wait_s=wait_s)
         info.slices[index] = fresh
-
-
-# -- `cluster join`: on a TPU VM itself ------------------------------------------------------------
-
-
-def _reachable(ip: str, port: int, timeout: float = 2.0) -> bool:
-    try:
-        socket.create_connection((ip, port), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def join_local(
-    spec: SliceSpec, worker_id: int, token_path: str, *, port: int = DEFAULT_PORT, temp_dir: str | None = None,
-    timeout: float = 300.0, python: str | None = None, dashboard: bool = False,
-    progress: Callable[[str], None] | None = None,
-) -> str:
-    """Start the head (worker 0) or join it (others), retrying until the head answers or `timeout`.
-
-    Returns the head address. Runs `ray start` on this machine with token auth on.
-    """
-    import sys
-
-    say = progress or (lambda _m: None)
-    if not spec.workers:
-        raise ClusterError("the metadata server lists no worker endpoints", "is this a TPU VM of a READY slice?")
-    head_ip, me = spec.workers[0].ip, spec.workers[worker_id].ip
-    tdir = temp_dir or default_temp_dir(spec.project or "-", spec.zone or "-", spec.name)
-    words = ray_start_words(python=python or sys.executable, node_ip=me, temp_dir=tdir, port=port,
-                            head=worker_id == 0, head_ip=head_ip, dashboard=dashboard)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path, "RAY_USAGE_STATS_ENABLED": "0"}
-    deadline = time.monotonic() + timeout
-    if worker_id != 0:
-        say(f"waiting for the Ray head at {head_ip}:{port}")
-        while not _reachable(head_ip, port):
-            if time.monotonic() >= deadline:
-                raise ClusterError(f"the Ray head at {head_ip}:{port} did not answer within {timeout:g}s",
-                                   "start it with `tpulaunch cluster join` on worker 0, or raise --timeout")
-            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-    last = ""
-    while True:
-        left = max(5.0, deadline - time.monotonic())
-        try:
-            proc = subprocess.run(words, env=env, capture_output=True, text=True, timeout=left)
-        except subprocess.TimeoutExpired:
-            proc = None
-        if proc is not None and proc.returncode == 0:
-            say("head started" if worker_id == 0 else f"joined {head_ip}:{port}")
-            return f"{head_ip}:{port}"
-        last = _tail(proc) if proc is not None else "ray start timed out"
-        if time.monotonic() >= deadline:
-            raise ClusterError(f"ray start on worker {worker_id} kept failing for {timeout:g}s: {last}",
-                               f"Ray's logs are under {tdir}")
-        time.sleep(2.0)

@@ -25,7 +25,6 @@ and `poll()` reports the host as preempted, so the driver counts a preemption, n
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -40,23 +39,17 @@ import time
 
 from tpulaunch import procfs
 from tpulaunch.errors import ExitCode
+from tpulaunch.host import heartbeat
 from tpulaunch.host.context import HEARTBEAT_ENV, TIMINGS_ENV
+from tpulaunch.host.environment import NICENESS_ENV, host_env, package_path, run_files_dir, spare_env
 from tpulaunch.host.process import HostProcess
 from tpulaunch.host.spare import Spare
 from tpulaunch.host.protocol import (AgentInfo, HostOptions, HostRun, PollReply, PreflightReport, PreflightRequest,
                                      Started)
-from tpulaunch.plan.env import PLAN_MULTISLICE_ENV, split_env
+from tpulaunch.plan.env import split_env
 from tpulaunch.plan.launch import run_marker
 from tpulaunch.plan.contract import HostState
 
-# What Ray gives its worker processes (this agent is one) that describes that worker, not the host.
-NICENESS_ENV = "RAY_worker_niceness"
-_DROP = ("RAY_ADDRESS", "RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE", "RAY_LD_PRELOAD_ON_WORKERS", NICENESS_ENV)
-# The chips and host grid, which Ray rewrites in a worker holding part of a host (`TPUAcceleratorManager`):
-# a host process gets the node's own values, where the node has them (GKE's TPU device plugin sets them
-# with TPU_SKIP_MDS_QUERY, and libtpu then reads the grid from them alone), never a worker's.
-NODE_TPU_ENV = ("TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS")
-_NOT_INHERITED = frozenset(_DROP + NODE_TPU_ENV + PLAN_MULTISLICE_ENV)  # what host_env never takes from this agent
 EXIT_TPU_BUSY = ExitCode.TPU_BUSY  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
 DRIVER_GONE_S = 60.0  # a run nobody polled for this long has lost its driver
 SPARE_WAIT_S = 60.0  # a run waits this long for a spare still importing its framework (then: a fresh process)
@@ -129,89 +122,6 @@ def retire_other_agents(hosts: list[tuple[str, int]]) -> int:
             except ValueError:  # gone meanwhile
                 pass
     return asked
-
-
-def read_beat(path: str) -> dict:
-    """A heartbeat file's record (`host.context.heartbeat`), "STEP FIRST SINCE_FIRST [SAVED SAVE_S
-    SINCE_SAVED]", as the PollReply's step fields, with ages measured now (the file's mtime is when
-    it was written): `step_age`, `first_step` (step, age), `checkpoint` (step, save seconds, age)."""
-    try:
-        with open(path, "rb") as f:
-            words = f.read(128).split()
-            age = max(0.0, time.time() - os.fstat(f.fileno()).st_mtime)
-        if not words:
-            return {}
-        out: dict = {"step": int(words[0]), "step_age": age}
-        if len(words) >= 3:
-            out["first_step"] = (int(words[1]), age + float(words[2]))
-        if len(words) >= 6:
-            out["checkpoint"] = (int(words[3]), float(words[4]), age + float(words[5]))
-        return out
-    except (OSError, ValueError):
-        return {}
-
-
-def run_files_dir() -> str:
-    """Where a run's files on this host go (its state, heartbeat and timings): this Ray node's
-    session directory, which goes with the cluster's temp dir at `cluster down`. An agent killed
-    before it could remove them (SIGKILL, a lost node) leaves nothing behind in /tmp."""
-    import ray._private.worker as worker
-
-    node = worker._global_node  # noqa: SLF001 - Ray has no public accessor for the session dir
-    if node is None:  # not in a Ray worker (a unit test's agent)
-        return tempfile.gettempdir()
-    path = os.path.join(node.get_session_dir_path(), "tpulaunch")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
-
-
-def package_path() -> str:
-    """A directory holding only `tpulaunch` (a link to this package): on the PYTHONPATH of a host
-    process in another interpreter (`--python`), it finds the bootstrap and nothing else of ours."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    digest = hashlib.sha256(package.encode()).hexdigest()[:12]
-    root = os.path.join(tempfile.gettempdir(), f"tpulaunch-pkg-{os.getuid()}-{digest}")
-    link = os.path.join(root, "tpulaunch")
-    if not os.path.islink(link):
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        tmp = f"{link}.{os.getpid()}"
-        os.symlink(package, tmp)
-        os.replace(tmp, link)
-    return root
-
-
-def spare_env(state: HostState) -> dict[str, str]:
-    """The environment of a spare that can take `state`'s run: the node's, and what stays from
-    run to run in the plan's (`split_env`); what each run sets is handed over with the run."""
-    env = host_env()
-    env.update(split_env(state)[0])
-    return env
-
-
-def host_env() -> dict[str, str]:
-    """The environment a host process starts from: the node's, as a script run there by hand sees it.
-
-    Not this agent's: Ray sets OMP_NUM_THREADS to the actor's CPU count (1) in its workers unless
-    the node set it, and a script inheriting that runs torch's CPU ops on one thread (data loading,
-    checkpoints) on a host with hundreds of cores. It is kept only when the node's raylet has it.
-    The TPU grid is the node's too (NODE_TPU_ENV); the slices a run spans are the plan's alone
-    (PLAN_MULTISLICE_ENV).
-    """
-    env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
-    node = _raylet_env()
-    if node is not None:
-        env.update({k: node[k] for k in NODE_TPU_ENV if k in node})
-    if "OMP_NUM_THREADS" in env and node is not None and "OMP_NUM_THREADS" not in node:
-        del env["OMP_NUM_THREADS"]
-    return env
-
-
-def _raylet_env() -> dict[str, str] | None:
-    """The raylet's environment (what `ray start` on this node was given); None if unreadable."""
-    try:
-        return procfs.Process(int(os.environ["RAY_RAYLET_PID"])).env()
-    except (KeyError, ValueError):
-        return None
 
 
 class HostAgent:
@@ -315,7 +225,7 @@ class HostAgent:
                 self._host.keep_children = options.keep_children
             except OSError as e:
                 self._host = None
-                self._refused = 127
+                self._refused = ExitCode.CANNOT_START
                 self._notes.append(f"tpulaunch: cannot start {' '.join(command) or 'the bootstrap'}: {e.strerror or e}")
                 self._cleanup_files()
                 return Started(-1, False, f"cannot start {' '.join(command) or 'the bootstrap'}: {e.strerror or e}")
@@ -464,7 +374,8 @@ class HostAgent:
 
     def _step(self) -> dict:
         """What the script last said with `tpulaunch.heartbeat(step=N)`: the PollReply's step fields."""
-        return read_beat(self._heartbeat or "")
+        beat = heartbeat.read(self._heartbeat or "")
+        return beat.reply_fields() if beat else {}
 
     def release(self, prewarm: HostState | None = None) -> None:
         """The run is over: stop what is left of it; with `prewarm`, start a spare for the next

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tpulaunch.errors import LaunchError
+from tpulaunch.host.heartbeat import record as beat_record
 from tpulaunch.plan.mesh import MeshPlan
 
 if TYPE_CHECKING:
@@ -209,7 +210,7 @@ def heartbeat(step: int | None = None, checkpoint: bool = False) -> None:
     last step so marked (without marks: from its own first step).
 
     Cheap (one `utime`, or one 96-byte `pwrite` with a step), safe to call every step, and a
-    no-op outside a launch. The record (`host.agent.read_beat`): the step, this process's first
+    no-op outside a launch. The record (`host.heartbeat`): the step, this process's first
     step and the seconds since it, and the last save's step, duration and age; times are only
     differences on this host's clock, so the launcher places them on its own.
     """
@@ -228,10 +229,7 @@ def heartbeat(step: int | None = None, checkpoint: bool = False) -> None:
             _saved = (int(step), now - _beat_t if _beat_t else 0.0, now)
         if _beat_fd is None or _beat_fd[0] != path:
             _beat_fd = (path, os.open(path, os.O_WRONLY))
-        record = f"{int(step)} {_first[0]} {now - _first[1]:.3f}"
-        if _saved:
-            record += f" {_saved[0]} {_saved[1]:.3f} {now - _saved[2]:.3f}"
-        os.pwrite(_beat_fd[1], (record + "\n").ljust(96).encode(), 0)  # the write is the mtime's update too
+        os.pwrite(_beat_fd[1], beat_record(int(step), _first, _saved, now), 0)  # the write is the mtime's update too
     except (OSError, ValueError, TypeError):
         pass
     finally:

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shlex
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,7 +163,7 @@ def submit(req: LaunchRequest, cluster: ClusterInfo, api: JobApi, *, runtime_env
            python: str | None = None) -> str:
     """Submit the run; returns its id (the job's submission id). The request's address becomes the
     cluster's own (the supervisor connects from the head)."""
-    from tpulaunch.run.prepare import is_local
+    from tpulaunch.run.prepare import head_python, is_local
 
     run_id = req.run_id or new_run_id()
     sup_req = dataclasses.replace(req, run_id=run_id, address=cluster.address, log_dir=RUNS_SUBDIR)
@@ -186,7 +185,7 @@ def submit(req: LaunchRequest, cluster: ClusterInfo, api: JobApi, *, runtime_env
         # every actor it starts (its cwd is the unpacked copy).
         workdir, job_env = None, {**(runtime_env or {}), "env_vars": env_vars}
         sup_req = dataclasses.replace(sup_req, workdir=".")
-    entry = supervisor_entrypoint(run_id, python or (sys.executable if is_local(cluster) else "python3"), workdir)
+    entry = supervisor_entrypoint(run_id, python or head_python(cluster), workdir)
     meta = {META_KEY: "run", "run_id": run_id, "script": req.script or " ".join(req.command),
             "submitted_from": os.uname().nodename}
     if api.info(run_id) is not None:  # its request would overwrite a running run's

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tpulaunch import settings
 from tpulaunch.cluster.connect import connect_timeout, resolve_address
 from tpulaunch.cluster.ports import free_port
 from tpulaunch.cluster.record import ClusterInfo, load_record
+from tpulaunch.cluster.worker_commands import DEFAULT_PYTHON
 from tpulaunch.errors import LaunchError, StateError, TpulaunchError
 from tpulaunch.host import frameworks
 from tpulaunch.plan import torch_tpu
@@ -158,9 +160,12 @@ def is_local(cluster: ClusterInfo) -> bool:
     return cluster.emulated or bool(cluster.temp_dir)
 
 
-def head_python(cluster: ClusterInfo) -> str | None:
-    """The Python with tpulaunch on the cluster's head, where the record knows it."""
-    return cluster.remote.head_python if cluster.remote else None
+def head_python(cluster: ClusterInfo) -> str:
+    """The Python with tpulaunch on the cluster's head: the record's (a head off the slice), this
+    one (a head here), or what a TPU VM's shell calls `python3`."""
+    if cluster.remote and cluster.remote.head_python:
+        return cluster.remote.head_python
+    return sys.executable if is_local(cluster) else DEFAULT_PYTHON
 
 
 def check(req: LaunchRequest | Checked) -> Checked:
