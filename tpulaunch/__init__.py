@@ -20,8 +20,16 @@ Errors are `tpulaunch.errors`' classes (exported here too), each with the exit c
 import importlib
 from typing import Any
 
-from tpulaunch.errors import (ClusterError, DiscoveryError, ExitCode, LaunchError, SliceNotReadyError, StateError,
-                              TpulaunchError, WaitTimeout)
+from tpulaunch.errors import (
+    ClusterError,
+    DiscoveryError,
+    ExitCode,
+    LaunchError,
+    SliceNotReadyError,
+    StateError,
+    TpulaunchError,
+    WaitTimeout,
+)
 from tpulaunch.host.context import context, get_mesh, get_mesh_plan, heartbeat
 
 # The client side, loaded on first use: a launched script's `import tpulaunch` stays as light as

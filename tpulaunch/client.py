@@ -23,8 +23,9 @@ included) is stored behind the cluster's token and never on a command line. Erro
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from tpulaunch.errors import TpulaunchError, WaitTimeout
 from tpulaunch.run.status import HostPhase, RunState
@@ -92,7 +93,7 @@ class AttemptStatus:
     replaced: tuple[dict, ...] = ()  # slices swapped out after it (spares, `--replace-hung`)
 
     @staticmethod
-    def of(d: dict) -> "AttemptStatus":
+    def of(d: dict) -> AttemptStatus:
         return AttemptStatus(d["index"], d["outcome"], d.get("exit_code"), d.get("who"), d.get("log_dir", ""),
                              d.get("reason", "first"), tuple(d.get("slices") or ()), tuple(d.get("recreated") or ()),
                              d.get("hang"), tuple(d.get("replaced") or ()))
@@ -140,7 +141,7 @@ class RunStatus:
                 "attempts": [a.to_dict() for a in self.attempts], "note": self.note}
 
     @staticmethod
-    def of(rec: Any) -> "RunStatus":  # rec: detached.RunRecord
+    def of(rec: Any) -> RunStatus:  # rec: detached.RunRecord
         j, v = rec.job, rec.view
         now = time.time()
         hosts = tuple(HostStatus(h.process_index, h.slice_index, h.worker_id, h.phase, h.exit_code,
@@ -156,7 +157,7 @@ class RunStatus:
 class Run:
     """A handle on one run of a cluster (cheap: it holds the id; every call asks the cluster)."""
 
-    def __init__(self, client: "Client", run_id: str) -> None:
+    def __init__(self, client: Client, run_id: str) -> None:
         self._client = client
         self.id = run_id
 
@@ -328,7 +329,7 @@ class Client:
             self._job_api = detached.job_api(self._cluster)
         return self._job_api
 
-    def submit(self, script: "str | RunSpec", *, args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+    def submit(self, script: str | RunSpec, *, args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                topology: str | None = None, accelerator: str | None = None, num_slices: int | None = None,
                mesh: str | None = None, dcn: str | None = None, **options: Any) -> Run:
         """Submit a run to the cluster's head; returns at once.
@@ -385,7 +386,7 @@ class Client:
         return [Run(self, j.submission_id) for j in reversed(detached.runs(self._api()))]
 
 
-def launch(script: "str | RunSpec", *, args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+def launch(script: str | RunSpec, *, args: Sequence[str] = (), env: Mapping[str, str] | None = None,
            topology: str | None = None, accelerator: str | None = None, num_slices: int | None = None,
            mesh: str | None = None, dcn: str | None = None, address: str | None = None, sink: Any = None,
            **options: Any) -> RunSummary:
@@ -458,7 +459,7 @@ def _cluster(address: str) -> Any:
     return info
 
 
-def _spec(script: "str | RunSpec", args: Sequence[str], env: Mapping[str, str] | None, topology: str | None,
+def _spec(script: str | RunSpec, args: Sequence[str], env: Mapping[str, str] | None, topology: str | None,
           accelerator: str | None, num_slices: int | None, mesh: str | None, dcn: str | None,
           options: Mapping[str, Any]) -> RunSpec:
     """A `RunSpec` as given, or one made of the keywords (not both)."""

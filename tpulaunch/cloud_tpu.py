@@ -18,7 +18,8 @@ import re
 import threading
 import time
 import warnings
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from tpulaunch import settings
@@ -126,7 +127,7 @@ class TpuApi:
         self._deadline: _Deadline | None = None
 
     # The public entry: everything inside `fn(api)` shares one deadline.
-    def run(self, fn: Callable[["TpuApi"], T]) -> T:
+    def run(self, fn: Callable[[TpuApi], T]) -> T:
         self._deadline = _Deadline(self.timeout)
         return _bounded(lambda: fn(self), self.timeout, self._timeout_error)
 

@@ -18,8 +18,8 @@ import re
 import shlex
 import shutil
 import subprocess
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from tpulaunch import settings
 from tpulaunch.errors import ClusterError

@@ -19,9 +19,10 @@ import os
 import select
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tpulaunch import settings
 from tpulaunch.errors import ClusterError, DiscoveryError
@@ -83,7 +84,7 @@ def _kubeconfig_file(target: KubeTarget) -> str | None:
     return str(home) if home.is_file() else None
 
 
-def connect(target: KubeTarget) -> "Kube":
+def connect(target: KubeTarget) -> Kube:
     """The API the target names, configured as kubectl would be; one line (KubeError) if it cannot be."""
     from kubernetes import client, config
     from kubernetes.config.config_exception import ConfigException
@@ -301,7 +302,7 @@ class Kube:
 
     # -- port-forward -----------------------------------------------------------------------------
 
-    def forward(self, pod: str, port: int) -> "Forward":
+    def forward(self, pod: str, port: int) -> Forward:
         """A local port reaching `port` of `pod` through the API (see `Forward`)."""
         return Forward(self, pod, port)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 PROC = "/proc"
 

@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
 
 from tpulaunch import discover
-from tpulaunch.cluster import emulated
-from tpulaunch.cluster.connect import connect, disconnect, resolve_address
-from tpulaunch.cluster.record import (ClusterInfo, clear_record, driver_log_path, load_record, record_path,
-                                      save_record, state_dir, writable_state_dir)
 from tpulaunch.cli import app
 from tpulaunch.cli import cmd_cluster_remote as remote
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
+from tpulaunch.cluster import emulated, worker_commands
+from tpulaunch.cluster.connect import resolve_address
+from tpulaunch.cluster.record import (
+    ClusterInfo,
+    clear_record,
+    driver_log_path,
+    load_record,
+    record_path,
+    save_record,
+    state_dir,
+    writable_state_dir,
+)
 from tpulaunch.errors import ClusterError, LaunchError, TpulaunchError
 from tpulaunch.host import frameworks
 from tpulaunch.plan import mesh as mesh_mod
@@ -30,37 +37,37 @@ remote.register(cluster_app)  # `cluster join`, `cluster doctor`
 
 @cluster_app.command("up")
 def up(
-    topology: Optional[str] = opt.TOPOLOGY,
-    accelerator: Optional[str] = opt.ACCELERATOR,
-    chips_per_host: Optional[int] = opt.CHIPS_PER_HOST,
-    num_slices: Optional[int] = opt.NUM_SLICES,
+    topology: str | None = opt.TOPOLOGY,
+    accelerator: str | None = opt.ACCELERATOR,
+    chips_per_host: int | None = opt.CHIPS_PER_HOST,
+    num_slices: int | None = opt.NUM_SLICES,
     name: str = typer.Option("emulated", "--name", help="Slice name the emulated hosts carry (ray.io/tpu-slice-name)."),
     dashboard: bool = typer.Option(True, "--dashboard/--no-dashboard",
                                    help="Ray's dashboard on the head: the job API detached runs need (emulated: bound"
                                         " to 127.0.0.1; token auth on)."),
     prewarm: str = typer.Option("torch_xla", "--prewarm",
                                 help="Leave a spare process with this framework imported on every host: torch_xla, jax, none."),
-    tpu: Optional[list[str]] = typer.Option(None, "--tpu",
+    tpu: list[str] | None = typer.Option(None, "--tpu",
                                             help="A real TPU VM slice (node name): bring Ray up on its workers over gcloud"
                                                  " ssh. Repeat it for a multislice cluster (with --head local)."),
-    zone: Optional[str] = opt.ZONE,
-    project: Optional[str] = opt.PROJECT,
-    port: int = typer.Option(remote.RAY_PORT_DEFAULT, "--port", min=1, max=65535,
+    zone: str | None = opt.ZONE,
+    project: str | None = opt.PROJECT,
+    port: int = typer.Option(worker_commands.DEFAULT_PORT, "--port", min=1, max=65535,
                              help="--tpu: the Ray head's GCS port on worker 0."),
-    remote_python: str = typer.Option(remote.REMOTE_PYTHON_DEFAULT, "--remote-python",
+    remote_python: str = typer.Option(worker_commands.DEFAULT_PYTHON, "--remote-python",
                                       help="--tpu: the Python on the TPU VMs that has Ray installed."),
-    ray_temp_dir: Optional[str] = typer.Option(None, "--ray-temp-dir",
+    ray_temp_dir: str | None = typer.Option(None, "--ray-temp-dir",
                                                help="--tpu: Ray's temp dir on the VMs (default /tmp/tpl-<hash>)."),
     head: str = typer.Option("worker-0", "--head",
                              help="--tpu: where the Ray head runs: worker-0, or local (this machine, off the slice:"
                                   " a preemption of the slice then spares the head and detached runs)."),
-    head_ip: Optional[str] = typer.Option(None, "--head-ip",
+    head_ip: str | None = typer.Option(None, "--head-ip",
                                           help="--head local: the address the TPU workers reach this machine at"
                                                " (default: this machine's address on the route to worker 0)."),
-    setup: Optional[str] = typer.Option(None, "--setup", metavar="CMD",
+    setup: str | None = typer.Option(None, "--setup", metavar="CMD",
                                         help="--tpu: a shell command every worker runs before it joins (e.g. 'pip install"
                                              " -r requirements.txt'); again on re-created VMs."),
-    setup_script: Optional[Path] = typer.Option(None, "--setup-script", metavar="FILE",
+    setup_script: Path | None = typer.Option(None, "--setup-script", metavar="FILE",
                                                 help="--tpu: like --setup, a script file read here."),
     spare_slices: int = typer.Option(0, "--spare-slices", metavar="K", min=0, max=64,
                                      help="K more slices of the same shape, joined and warm, held in reserve: one takes"
@@ -68,20 +75,20 @@ def up(
                                           " as the spare."),
     gke: bool = typer.Option(False, "--gke", help="A KubeRay RayCluster on GKE's TPU node pools (with --topology,"
                                                   " --accelerator, --image; or --join NAME)."),
-    image: Optional[str] = typer.Option(None, "--image", help="--gke: the image every pod runs (with this tpulaunch and"
+    image: str | None = typer.Option(None, "--image", help="--gke: the image every pod runs (with this tpulaunch and"
                                                               " its Ray)."),
     spot: bool = typer.Option(False, "--spot", help="--gke: the slices on spot node pools."),
-    join_name: Optional[str] = typer.Option(None, "--join", metavar="NAME",
+    join_name: str | None = typer.Option(None, "--join", metavar="NAME",
                                             help="--gke: adopt the KubeRay cluster NAME (`cluster down` leaves it standing)."),
-    placement_policy: Optional[str] = typer.Option(None, "--placement-policy",
+    placement_policy: str | None = typer.Option(None, "--placement-policy",
                                                    help="--gke, tpu7x multi-host: the workload policy of the node pools."),
     head_cpu: str = typer.Option("2", "--head-cpu", help="--gke: the head pod's CPU (a CPU node, never a TPU one)."),
     head_memory: str = typer.Option("8Gi", "--head-memory", help="--gke: the head pod's memory."),
     timeout: float = typer.Option(900.0, "--timeout", metavar="SECONDS",
                                   help="--gke: wait this long for every host of every slice to be in Ray."),
-    kubeconfig: Optional[str] = opt.KUBECONFIG,
-    context: Optional[str] = opt.CONTEXT,
-    namespace: Optional[str] = opt.NAMESPACE,
+    kubeconfig: str | None = opt.KUBECONFIG,
+    context: str | None = opt.CONTEXT,
+    namespace: str | None = opt.NAMESPACE,
     dry_run: bool = typer.Option(False, "--dry-run", help="--gke: print the RayCluster it would apply; touch nothing."),
     json_out: bool = opt.JSON,
 ) -> None:
@@ -256,7 +263,7 @@ def _status_doc(info: ClusterInfo) -> dict:
 
 @cluster_app.command("status")
 def status(
-    address: Optional[str] = typer.Option("auto", "--address", help="auto (the cluster `cluster up` started), HOST:PORT."),
+    address: str | None = typer.Option("auto", "--address", help="auto (the cluster `cluster up` started), HOST:PORT."),
     json_out: bool = opt.JSON,
 ) -> None:
     """Each slice the cluster knows, its hosts, which are alive and which are busy with a run."""
@@ -293,7 +300,7 @@ def status(
 
 @cluster_app.command("env")
 def env(
-    address: Optional[str] = typer.Option("auto", "--address", help="auto (the cluster `cluster up` started), HOST:PORT."),
+    address: str | None = typer.Option("auto", "--address", help="auto (the cluster `cluster up` started), HOST:PORT."),
     json_out: bool = opt.JSON,
 ) -> None:
     """Shell exports a Ray driver needs for this cluster: `eval "$(tpulaunch cluster env)"`.

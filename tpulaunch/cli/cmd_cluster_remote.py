@@ -12,18 +12,15 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from tpulaunch.cluster import tokens
-from tpulaunch.cluster.record import ClusterInfo, clear_record, load_record, save_record, state_dir
-from tpulaunch.cluster.worker_commands import DEFAULT_PORT as RAY_PORT_DEFAULT  # the flags' defaults are the cluster's
-from tpulaunch.cluster.worker_commands import DEFAULT_PYTHON as REMOTE_PYTHON_DEFAULT
-from tpulaunch.host import tpu_holders
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
+from tpulaunch.cluster.record import ClusterInfo, load_record, save_record, state_dir
+from tpulaunch.cluster.worker_commands import DEFAULT_PORT as RAY_PORT_DEFAULT  # the flags' defaults are the cluster's
 from tpulaunch.errors import ClusterError, DiscoveryError, ExitCode, TpulaunchError
+from tpulaunch.host import tpu_holders
 
 
 class HostProgress:
@@ -152,7 +149,7 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
         out.line(f"cluster up at {info.address} on TPU {what}; {where}; token auth on; token in {info.token_path}")
 
 
-def _spare_slices(out: Output, like: "SliceSpec", k: int, rec: "ClusterInfo | None") -> tuple[list, list[str]]:  # noqa: F821
+def _spare_slices(out: Output, like: SliceSpec, k: int, rec: ClusterInfo | None) -> tuple[list, list[str]]:  # noqa: F821
     """K slices of `like`'s shape made through queued resources (`<first>-spare-<i>`, the same tier and
     runtime), waited for until ACTIVE: (their specs, the queued resources made). Spares a record of
     this cluster already has are kept, not made again."""
@@ -183,11 +180,11 @@ def register(cluster_app: typer.Typer) -> None:
     def join(
         port: int = typer.Option(RAY_PORT_DEFAULT, "--port", min=1, max=65535, help="The Ray head's GCS port on worker 0."),
         timeout: float = typer.Option(300.0, "--timeout", metavar="S", help="Give up after S seconds without a head."),
-        token_file: Optional[Path] = typer.Option(None, "--token-file",
+        token_file: Path | None = typer.Option(None, "--token-file",
                                                   help="The cluster's Ray auth token (default ~/.tpulaunch/ray_token)."),
         token_stdin: bool = typer.Option(False, "--token-stdin",
                                          help="Read the token from stdin and store it owner-only in --token-file."),
-        ray_temp_dir: Optional[str] = typer.Option(None, "--ray-temp-dir", help="Ray's temp dir (default /tmp/tpl-<hash>)."),
+        ray_temp_dir: str | None = typer.Option(None, "--ray-temp-dir", help="Ray's temp dir (default /tmp/tpl-<hash>)."),
         json_out: bool = opt.JSON,
     ) -> None:
         """On a TPU VM: start the Ray head (worker 0) or join it (other workers), from the metadata server.

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import typer
 
 from tpulaunch import discover, run
@@ -16,20 +14,20 @@ from tpulaunch.errors import LaunchError
 
 @app.command("exec")
 def exec_cmd(
-    command: List[str] = typer.Argument(..., help="The command and its arguments (after --)."),
-    topology: Optional[str] = opt.TOPOLOGY,
-    accelerator: Optional[str] = opt.ACCELERATOR,
-    chips_per_host: Optional[int] = opt.CHIPS_PER_HOST,
-    tpu: Optional[str] = opt.TPU,
-    zone: Optional[str] = opt.ZONE,
-    project: Optional[str] = opt.PROJECT,
+    command: list[str] = typer.Argument(..., help="The command and its arguments (after --)."),
+    topology: str | None = opt.TOPOLOGY,
+    accelerator: str | None = opt.ACCELERATOR,
+    chips_per_host: int | None = opt.CHIPS_PER_HOST,
+    tpu: str | None = opt.TPU,
+    zone: str | None = opt.ZONE,
+    project: str | None = opt.PROJECT,
     force: bool = opt.FORCE,
-    num_slices: Optional[int] = opt.NUM_SLICES,
-    env: Optional[List[str]] = opt.ENV,
-    env_file: Optional[List[str]] = opt.ENV_FILE,
+    num_slices: int | None = opt.NUM_SLICES,
+    env: list[str] | None = opt.ENV,
+    env_file: list[str] | None = opt.ENV_FILE,
     show_env: bool = opt.SHOW_ENV,
-    address: Optional[str] = typer.Option(None, "--address", help="auto, HOST:PORT or ray://... (default: emulate)."),
-    hosts: Optional[str] = opt.HOSTS,
+    address: str | None = typer.Option(None, "--address", help="auto, HOST:PORT or ray://... (default: emulate)."),
+    hosts: str | None = opt.HOSTS,
     log_dir: str = typer.Option("runs", "--log-dir", help="Where <run-id>/attempt-<k>/host-<i>.log and summary.json go."),
     workdir: str = typer.Option(".", "--workdir", help="Directory shipped to every host; the command runs there."),
     no_ship: bool = typer.Option(False, "--no-ship", help="Do not ship the working directory."),
@@ -37,9 +35,9 @@ def exec_cmd(
     keep_children: bool = opt.KEEP_CHILDREN,
     no_preflight: bool = opt.NO_PREFLIGHT,
     straggler_ratio: float = opt.STRAGGLER_RATIO,
-    coordinator_port: Optional[int] = opt.COORDINATOR_PORT,
-    timeout: Optional[float] = opt.TIMEOUT,
-    stall_timeout: Optional[float] = opt.STALL_TIMEOUT,
+    coordinator_port: int | None = opt.COORDINATOR_PORT,
+    timeout: float | None = opt.TIMEOUT,
+    stall_timeout: float | None = opt.STALL_TIMEOUT,
     max_restarts: int = opt.MAX_RESTARTS,
     dry_run: bool = opt.DRY_RUN,
     json_out: bool = opt.JSON,

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from pathlib import Path
+
 import typer
 from rich.table import Table
 from rich.text import Text
@@ -19,8 +20,8 @@ from tpulaunch.cli import app
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output, host_color
 from tpulaunch.errors import TpulaunchError
-from tpulaunch.run.record import goodput, timeline
 from tpulaunch.run.paths import RunPaths
+from tpulaunch.run.record import goodput, timeline
 
 RUN = typer.Argument("last", metavar="RUN", help="A run's directory, a run id, or `last`.")
 LOG_DIR = typer.Option("runs", "--log-dir", help="Where this machine's foreground runs write their directories.")

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
-from tpulaunch.plan import mesh as mesh_mod
-from tpulaunch.plan import sharding as sharding_mod
 from tpulaunch import discover
 from tpulaunch.cli import app, render
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.cmd_topology import split_spec
 from tpulaunch.cli.output import Output
 from tpulaunch.errors import MeshError
+from tpulaunch.plan import mesh as mesh_mod
+from tpulaunch.plan import sharding as sharding_mod
 
 mesh_app = typer.Typer(help="Plan and inspect device meshes.", no_args_is_help=True)
 app.add_typer(mesh_app, name="mesh")
@@ -22,19 +20,19 @@ app.add_typer(mesh_app, name="mesh")
 
 @mesh_app.command("inspect")
 def inspect(
-    slice_spec: Optional[str] = typer.Argument(None, metavar="[ACCELERATOR_OR_SHAPE]", help="v4-32, tpu7x-18432, or 2x8."),
-    topology: Optional[str] = opt.TOPOLOGY,
-    accelerator: Optional[str] = opt.ACCELERATOR,
-    chips_per_host: Optional[int] = opt.CHIPS_PER_HOST,
-    mesh: Optional[str] = opt.MESH,
-    dcn: Optional[str] = opt.DCN,
+    slice_spec: str | None = typer.Argument(None, metavar="[ACCELERATOR_OR_SHAPE]", help="v4-32, tpu7x-18432, or 2x8."),
+    topology: str | None = opt.TOPOLOGY,
+    accelerator: str | None = opt.ACCELERATOR,
+    chips_per_host: int | None = opt.CHIPS_PER_HOST,
+    mesh: str | None = opt.MESH,
+    dcn: str | None = opt.DCN,
     placement: str = opt.PLACEMENT,
-    num_slices: Optional[int] = opt.NUM_SLICES,
-    tpu: Optional[str] = opt.TPU,
-    zone: Optional[str] = opt.ZONE,
-    project: Optional[str] = opt.PROJECT,
-    shard: Optional[str] = typer.Option(None, "--shard", help="A tensor shape to split, e.g. 1024x4096."),
-    spec: Optional[str] = typer.Option(
+    num_slices: int | None = opt.NUM_SLICES,
+    tpu: str | None = opt.TPU,
+    zone: str | None = opt.ZONE,
+    project: str | None = opt.PROJECT,
+    shard: str | None = typer.Option(None, "--shard", help="A tensor shape to split, e.g. 1024x4096."),
+    spec: str | None = typer.Option(
         None, "--spec", help="Partition spec for --shard: one mesh axis per dim, None to replicate, a+b for several."
     ),
     json_out: bool = opt.JSON,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import List, Optional
 
 import typer
 from rich.text import Text
@@ -78,8 +77,8 @@ def check_hosts(chosen: set[int] | None, hosts: int) -> None:
 
 def _goodput(summary: RunSummary):  # noqa: ANN202 - goodput.Goodput | None
     """The run's goodput from its timeline (None if it has none)."""
-    from tpulaunch.run.record import goodput, timeline
     from tpulaunch.run.paths import RunPaths
+    from tpulaunch.run.record import goodput, timeline
 
     try:
         events = timeline.read(RunPaths.of(summary.log_dir).events)
@@ -161,28 +160,28 @@ def print_plan(out: Output, prep: run.Prepared, show_env: bool = False) -> None:
 def run_cmd(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="Python script to run on every host (inside the working directory)."),
-    script_args: Optional[List[str]] = typer.Argument(None, help="Arguments for the script (put them after --)."),
-    topology: Optional[str] = opt.TOPOLOGY,
-    accelerator: Optional[str] = opt.ACCELERATOR,
-    chips_per_host: Optional[int] = opt.CHIPS_PER_HOST,
-    tpu: Optional[str] = opt.TPU,
-    queued_resource: Optional[str] = opt.QUEUED_RESOURCE,
-    zone: Optional[str] = opt.ZONE,
-    project: Optional[str] = opt.PROJECT,
+    script_args: list[str] | None = typer.Argument(None, help="Arguments for the script (put them after --)."),
+    topology: str | None = opt.TOPOLOGY,
+    accelerator: str | None = opt.ACCELERATOR,
+    chips_per_host: int | None = opt.CHIPS_PER_HOST,
+    tpu: str | None = opt.TPU,
+    queued_resource: str | None = opt.QUEUED_RESOURCE,
+    zone: str | None = opt.ZONE,
+    project: str | None = opt.PROJECT,
     force: bool = opt.FORCE,
-    num_slices: Optional[int] = opt.NUM_SLICES,
-    mesh: Optional[str] = opt.MESH,
-    dcn: Optional[str] = opt.DCN,
+    num_slices: int | None = opt.NUM_SLICES,
+    mesh: str | None = opt.MESH,
+    dcn: str | None = opt.DCN,
     placement: str = opt.PLACEMENT,
     framework: str = typer.Option("auto", "--framework", "-f", help="torch_xla, jax, torch_tpu (one process per device), none (boot no framework), or auto (from the script's imports)."),
-    env: Optional[List[str]] = opt.ENV,
-    env_file: Optional[List[str]] = opt.ENV_FILE,
+    env: list[str] | None = opt.ENV,
+    env_file: list[str] | None = opt.ENV_FILE,
     show_env: bool = opt.SHOW_ENV,
-    address: Optional[str] = typer.Option(
+    address: str | None = typer.Option(
         None, "--address", help="Join a Ray cluster: auto, HOST:PORT or ray://... (default: RAY_ADDRESS, else emulate)."
     ),
     no_dist: bool = typer.Option(False, "--no-dist", help="Do not start the torch.distributed (gloo) process group."),
-    hosts: Optional[str] = opt.HOSTS,
+    hosts: str | None = opt.HOSTS,
     log_dir: str = typer.Option("runs", "--log-dir", help="Where <run-id>/attempt-<k>/host-<i>.log, ray.log and summary.json go."),
     workdir: str = typer.Option(".", "--workdir", help="Directory shipped to every host; the script runs there."),
     schedule_timeout: float = typer.Option(120.0, "--schedule-timeout", help="Seconds to wait for Ray to give us the whole slice."),
@@ -191,9 +190,9 @@ def run_cmd(
     keep_children: bool = opt.KEEP_CHILDREN,
     no_preflight: bool = opt.NO_PREFLIGHT,
     straggler_ratio: float = opt.STRAGGLER_RATIO,
-    coordinator_port: Optional[int] = opt.COORDINATOR_PORT,
-    timeout: Optional[float] = opt.TIMEOUT,
-    stall_timeout: Optional[float] = opt.STALL_TIMEOUT,
+    coordinator_port: int | None = opt.COORDINATOR_PORT,
+    timeout: float | None = opt.TIMEOUT,
+    stall_timeout: float | None = opt.STALL_TIMEOUT,
     max_restarts: int = opt.MAX_RESTARTS,
     max_preemptions: int = opt.MAX_PREEMPTIONS,
     recreate: bool = typer.Option(False, "--recreate",
@@ -207,21 +206,21 @@ def run_cmd(
                                            " --max-restarts)."),
     preemption_wait: float = opt.PREEMPTION_WAIT,
     preemption_grace: float = opt.PREEMPTION_GRACE,
-    compile_cache: Optional[str] = typer.Option(
+    compile_cache: str | None = typer.Option(
         None, "--compile-cache", metavar="DIR",
         help="Persistent XLA compilation cache on every host (JAX default: ~/.cache/tpulaunch/xla-cache/jax/<slice>;"
              " torch_xla 2.9 cannot load its cache, so it has none unless given)."),
     no_compile_cache: bool = typer.Option(False, "--no-compile-cache", help="Compile from scratch every run."),
-    min_slices: Optional[int] = typer.Option(
+    min_slices: int | None = typer.Option(
         None, "--min-slices", metavar="K",
         help="Elastic multislice: when a slice is lost, go on at once on the slices left (at least K), bring the lost"
              " one back in the background, and grow back to all at the next checkpoint. Needs --max-preemptions and"
              " the slices on one --dcn axis."),
-    grow_after: Optional[float] = typer.Option(
+    grow_after: float | None = typer.Option(
         None, "--grow-after", metavar="SECONDS",
         help="With --min-slices: grow back this long after the lost slices are back, instead of at the next"
              " checkpoint (`tpulaunch.heartbeat(step=N, checkpoint=True)`)."),
-    python: Optional[str] = typer.Option(
+    python: str | None = typer.Option(
         None, "--python", metavar="PATH",
         help="The interpreter each host runs the script with: the environment of the training stack (torch_tpu needs"
              " torch >= 2.11, which cannot share a venv with torch_xla 2.9). It needs no tpulaunch of its own."),
@@ -241,11 +240,11 @@ def run_cmd(
     gke: bool = typer.Option(False, "--gke", help="Bring a KubeRay cluster up on GKE for this run (--topology,"
                                                   " --accelerator, --image), run there, delete it after"
                                                   " (--keep-cluster keeps it)."),
-    image: Optional[str] = typer.Option(None, "--image", help="--gke: the image every pod runs."),
+    image: str | None = typer.Option(None, "--image", help="--gke: the image every pod runs."),
     spot: bool = typer.Option(False, "--spot", help="--gke: on spot node pools."),
-    kubeconfig: Optional[str] = opt.KUBECONFIG,
-    context: Optional[str] = opt.CONTEXT,
-    namespace: Optional[str] = opt.NAMESPACE,
+    kubeconfig: str | None = opt.KUBECONFIG,
+    context: str | None = opt.CONTEXT,
+    namespace: str | None = opt.NAMESPACE,
     rehearse: bool = typer.Option(False, "--rehearse",
                                   help="Instead of launching: run the script once here, in one process holding the"
                                        " slice's devices, compiling every XLA program for the target TPU (libtpu)"

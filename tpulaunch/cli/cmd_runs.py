@@ -7,7 +7,6 @@ Each asks the cluster's head (its job and log APIs, with the cluster's token): `
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import typer
 from rich.live import Live
@@ -191,8 +190,8 @@ def _print_status(out: Output, doc: dict) -> None:
 
 @app.command("logs")
 def logs_cmd(run: str = RUN, address: str = ADDRESS,
-             host: Optional[int] = typer.Option(None, "--host", help="One host's full log (else the prefixed stream)."),
-             attempt: Optional[int] = typer.Option(None, "--attempt", help="Which attempt (default: the latest)."),
+             host: int | None = typer.Option(None, "--host", help="One host's full log (else the prefixed stream)."),
+             attempt: int | None = typer.Option(None, "--attempt", help="Which attempt (default: the latest)."),
              follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the run ends.")) -> None:
     """The run's prefixed stream (every host, as a foreground run prints it), or one host's full log."""
     from tpulaunch.run import detached
@@ -233,7 +232,7 @@ def stop_cmd(run: str = RUN, address: str = ADDRESS, json_out: bool = opt.JSON) 
 
 @app.command("wait")
 def wait_cmd(run: str = RUN, address: str = ADDRESS,
-             timeout: Optional[float] = typer.Option(None, "--timeout", metavar="S", help="Give up after S seconds (exit 124)."),
+             timeout: float | None = typer.Option(None, "--timeout", metavar="S", help="Give up after S seconds (exit 124)."),
              json_out: bool = opt.JSON) -> None:
     """Block until the run ends, then exit with its exit code (the README's table)."""
     import math
@@ -258,7 +257,7 @@ def wait_cmd(run: str = RUN, address: str = ADDRESS,
 
 @app.command("stacks")
 def stacks_cmd(run: str = typer.Argument("last", metavar="RUN", help="A run id, or `last` (the run going on)."),
-               address: Optional[str] = typer.Option(
+               address: str | None = typer.Option(
                    None, "--address", help="The run's cluster (default: the one the run's directory names, else auto)."),
                log_dir: str = typer.Option("runs", "--log-dir", help="Where this machine's runs write their directories."),
                direct: bool = typer.Option(False, "--direct", hidden=True,
@@ -300,7 +299,7 @@ def stacks_cmd(run: str = typer.Argument("last", metavar="RUN", help="A run id, 
     out.info(f"full dumps in {doc['dir']}")
 
 
-def _cluster_of_run(run: str, address: Optional[str], log_dir: str):  # noqa: ANN202 - ClusterInfo
+def _cluster_of_run(run: str, address: str | None, log_dir: str):  # noqa: ANN202 - ClusterInfo
     """The cluster a run is on: --address; else the one its directory here names (a foreground
     run on a cluster of its own); else `auto` (the cluster recorded here)."""
     from pathlib import Path

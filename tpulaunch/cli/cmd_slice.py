@@ -6,7 +6,7 @@ from the arguments and renders (rich on a terminal, `key: value` lines in a pipe
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Group
@@ -15,8 +15,15 @@ from tpulaunch import discover
 from tpulaunch.cli import app
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
-from tpulaunch.cli.slice_views import (describe_lines, describe_rich, mesh_doc, mesh_lines, mesh_rich, print_table,
-                                       slice_doc)
+from tpulaunch.cli.slice_views import (
+    describe_lines,
+    describe_rich,
+    mesh_doc,
+    mesh_lines,
+    mesh_rich,
+    print_table,
+    slice_doc,
+)
 from tpulaunch.errors import LaunchError, TpulaunchError
 
 slice_app = typer.Typer(
@@ -38,22 +45,22 @@ TIMEOUT_OPT = typer.Option(
 
 @slice_app.command("describe")
 def describe_cmd(
-    name: Optional[str] = typer.Argument(
+    name: str | None = typer.Argument(
         None, metavar="[NAME]",
         help="TPU node name (or projects/P/locations/Z/nodes/N). Omit on a TPU VM: describe the slice it is part of.",
     ),
-    zone: Optional[str] = opt.ZONE,
-    project: Optional[str] = opt.PROJECT,
-    queued_resource: Optional[str] = typer.Option(
+    zone: str | None = opt.ZONE,
+    project: str | None = opt.PROJECT,
+    queued_resource: str | None = typer.Option(
         None, "--queued-resource", metavar="QR", help="Describe every slice (node) of this queued resource."
     ),
     json_out: bool = opt.JSON,
-    timeout: Optional[float] = TIMEOUT_OPT,
+    timeout: float | None = TIMEOUT_OPT,
     force: bool = typer.Option(False, "--force", help="Exit 0 even if the slice is not READY/HEALTHY (warn instead of exit 4)."),
     gke: bool = opt.GKE,
-    kubeconfig: Optional[str] = opt.KUBECONFIG,
-    context: Optional[str] = opt.CONTEXT,
-    namespace: Optional[str] = opt.NAMESPACE,
+    kubeconfig: str | None = opt.KUBECONFIG,
+    context: str | None = opt.CONTEXT,
+    namespace: str | None = opt.NAMESPACE,
 ) -> None:
     """Show a slice: type, topology, state, health, each worker's IPs, and the mesh tpulaunch would build.
 
@@ -132,14 +139,14 @@ def describe_cmd(
 
 @slice_app.command("list")
 def list_cmd(
-    zone: Optional[str] = opt.ZONE,
-    project: Optional[str] = opt.PROJECT,
+    zone: str | None = opt.ZONE,
+    project: str | None = opt.PROJECT,
     json_out: bool = opt.JSON,
-    timeout: Optional[float] = TIMEOUT_OPT,
+    timeout: float | None = TIMEOUT_OPT,
     gke: bool = opt.GKE,
-    kubeconfig: Optional[str] = opt.KUBECONFIG,
-    context: Optional[str] = opt.CONTEXT,
-    namespace: Optional[str] = opt.NAMESPACE,
+    kubeconfig: str | None = opt.KUBECONFIG,
+    context: str | None = opt.CONTEXT,
+    namespace: str | None = opt.NAMESPACE,
 ) -> None:
     """List the TPU nodes of a zone (`--zone -` for every zone): type, topology, state, health.
 
@@ -211,36 +218,36 @@ def _cell(d: dict, col: str) -> str:
 @slice_app.command("create")
 def create_cmd(
     name: str = typer.Argument(..., help="The slice's name: its queued resource and node (nodes NAME-0.. with --num-slices)."),
-    accelerator: Optional[str] = typer.Option(None, "--accelerator", help="v5p-64, or a generation with --topology (v5p)."),
-    topology: Optional[str] = typer.Option(None, "--topology", help="Chip shape, e.g. 4x4x4 (with --accelerator GEN)."),
+    accelerator: str | None = typer.Option(None, "--accelerator", help="v5p-64, or a generation with --topology (v5p)."),
+    topology: str | None = typer.Option(None, "--topology", help="Chip shape, e.g. 4x4x4 (with --accelerator GEN)."),
     num_slices: int = typer.Option(1, "--num-slices", help="Slices of a multislice (one queued resource, nodes NAME-i)."),
     spot: bool = typer.Option(False, "--spot", help="Spot capacity: cheaper, preemptible at any time."),
     reserved: bool = typer.Option(False, "--reserved", help="From the project's reservation."),
     guaranteed: bool = typer.Option(False, "--guaranteed", help="Guaranteed (on-demand) capacity through the queue."),
     flex_start: bool = typer.Option(False, "--flex-start", help="Flex-start (Preview; see --max-run-duration)."),
-    max_run_duration: Optional[str] = typer.Option(None, "--max-run-duration", help="With --flex-start, e.g. 24h."),
-    runtime_version: Optional[str] = typer.Option(None, "--runtime-version",
+    max_run_duration: str | None = typer.Option(None, "--max-run-duration", help="With --flex-start, e.g. 24h."),
+    runtime_version: str | None = typer.Option(None, "--runtime-version",
                                                   help="TPU VM software version (default: the one Google documents for the generation)."),
-    network: Optional[str] = typer.Option(None, "--network"),
-    subnetwork: Optional[str] = typer.Option(None, "--subnetwork"),
+    network: str | None = typer.Option(None, "--network"),
+    subnetwork: str | None = typer.Option(None, "--subnetwork"),
     internal_ips: bool = typer.Option(False, "--internal-ips",
                                       help="No external IPs on the workers (the network needs Private Google Access or"
                                            " Cloud NAT; reach them from inside the VPC)."),
-    zone: Optional[str] = opt.ZONE,
-    project: Optional[str] = opt.PROJECT,
+    zone: str | None = opt.ZONE,
+    project: str | None = opt.PROJECT,
     wait: bool = typer.Option(False, "--wait", help="Follow its state until ACTIVE (bounded by --wait-timeout)."),
     wait_timeout: float = typer.Option(3600.0, "--wait-timeout", metavar="S", help="How long --wait waits (s)."),
     json_out: bool = opt.JSON,
-    timeout: Optional[float] = TIMEOUT_OPT,
+    timeout: float | None = TIMEOUT_OPT,
 ) -> None:
     """Create a slice as a queued resource (Cloud TPU API v2); `--wait` until it is ACTIVE.
 
     Examples: `tpulaunch slice create my-v5p --accelerator v5p-64 --spot --wait`,
     `tpulaunch slice create ms --topology 2x2x2 --accelerator v4 --num-slices 2 --zone us-central2-b`.
     """
-    from tpulaunch.provision import capacity
-
     import math
+
+    from tpulaunch.provision import capacity
 
     if not math.isfinite(wait_timeout) or wait_timeout <= 0:
         raise LaunchError(f"--wait-timeout {wait_timeout:g} is not a positive number of seconds", "e.g. --wait-timeout 3600")
@@ -283,10 +290,10 @@ def create_cmd(
 @slice_app.command("delete")
 def delete_cmd(
     name: str = typer.Argument(..., help="The queued resource (what `slice create` made)."),
-    zone: Optional[str] = opt.ZONE,
-    project: Optional[str] = opt.PROJECT,
+    zone: str | None = opt.ZONE,
+    project: str | None = opt.PROJECT,
     json_out: bool = opt.JSON,
-    timeout: Optional[float] = TIMEOUT_OPT,
+    timeout: float | None = TIMEOUT_OPT,
 ) -> None:
     """Delete a queued resource and its nodes (waits for the deletion to finish)."""
     from tpulaunch.provision import capacity

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
+from tpulaunch.cli import app, render
+from tpulaunch.cli import options as opt
+from tpulaunch.cli.output import Output
 from tpulaunch.errors import TopologyError
 from tpulaunch.plan import topology as topo_mod
 from tpulaunch.plan.catalog import SHAPE_RE
-from tpulaunch.cli import app
-from tpulaunch.cli import render
-from tpulaunch.cli import options as opt
-from tpulaunch.cli.output import Output
-
 
 
 def split_spec(spec: str | None, topology: str | None, accelerator: str | None) -> tuple[str | None, str | None]:
@@ -30,10 +26,10 @@ def split_spec(spec: str | None, topology: str | None, accelerator: str | None) 
 
 @app.command("topology")
 def topology_cmd(
-    spec: Optional[str] = typer.Argument(None, metavar="ACCELERATOR_OR_SHAPE", help="v4-32, v6e-8, tpu7x-16, or 2x8."),
-    topology: Optional[str] = opt.TOPOLOGY,
-    accelerator: Optional[str] = opt.ACCELERATOR,
-    chips_per_host: Optional[int] = opt.CHIPS_PER_HOST,
+    spec: str | None = typer.Argument(None, metavar="ACCELERATOR_OR_SHAPE", help="v4-32, v6e-8, tpu7x-16, or 2x8."),
+    topology: str | None = opt.TOPOLOGY,
+    accelerator: str | None = opt.ACCELERATOR,
+    chips_per_host: int | None = opt.CHIPS_PER_HOST,
     json_out: bool = opt.JSON,
 ) -> None:
     """Show a slice's chips, hosts, bounds and chip coordinates.

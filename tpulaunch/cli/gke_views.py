@@ -6,7 +6,6 @@ renders (a rich table on a terminal, aligned plain lines in a pipe, `--json`).
 
 from __future__ import annotations
 
-
 from tpulaunch import kube
 from tpulaunch.cli.output import Output
 from tpulaunch.cli.slice_views import print_table

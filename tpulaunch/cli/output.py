@@ -13,7 +13,8 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.text import Text

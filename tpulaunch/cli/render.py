@@ -6,7 +6,7 @@ No logic lives here beyond layout; every number comes from the Topology / MeshPl
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 from rich.console import Group
 from rich.table import Table

@@ -14,13 +14,19 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from tpulaunch import settings
 from tpulaunch.cluster.processes import dir_pids
-from tpulaunch.cluster.record import (EMULATED_TOKEN, LOOPBACK_RAY, ClusterInfo, check_token_file, driver_log_path,
-                                      load_record)
+from tpulaunch.cluster.record import (
+    EMULATED_TOKEN,
+    LOOPBACK_RAY,
+    ClusterInfo,
+    check_token_file,
+    driver_log_path,
+    load_record,
+)
 from tpulaunch.errors import ClusterError, TpulaunchError
 
 
@@ -232,7 +238,7 @@ class RaysStderr:
 
     REFUSED = b"InvalidAuthToken"
 
-    def __enter__(self) -> "RaysStderr":
+    def __enter__(self) -> RaysStderr:
         sys.stderr.flush()
         self.saved = os.dup(2)
         if not stat.S_ISREG(os.fstat(self.saved).st_mode):

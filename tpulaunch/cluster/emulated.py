@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import secrets
 import shutil
 import subprocess
 import sys
-import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from tpulaunch import procfs
 from tpulaunch.cluster import ownership

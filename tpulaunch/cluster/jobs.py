@@ -142,9 +142,8 @@ class JobApi:
         wd = runtime_env.get("working_dir")
         if not wd or "://" in str(wd):
             return runtime_env
-        import os
-
         import logging
+        import os
 
         saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS") if k in os.environ}
         logging.disable(logging.INFO)  # Ray's client logs every step of the upload at INFO

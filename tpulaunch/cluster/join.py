@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tpulaunch.cluster.worker_commands import DEFAULT_PORT, _tail, default_temp_dir, local_auth_env, ray_start_words
 from tpulaunch.errors import ClusterError

@@ -11,8 +11,8 @@ IP; the slice's hosts are its pods in worker-id order. The rules over pod JSON a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from tpulaunch.cluster import kuberay_manifest as manifest
 from tpulaunch.errors import ClusterError

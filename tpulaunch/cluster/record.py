@@ -141,7 +141,7 @@ class RemoteSpec:
         return doc
 
     @staticmethod
-    def from_dict(d: dict) -> "RemoteSpec":
+    def from_dict(d: dict) -> RemoteSpec:
         """From a record (v2, or v1: "tpu" with "tpus" only on records of several). KeyError,
         TypeError or ValueError on anything that is not one."""
         tpus = d.get("tpus") or [d["tpu"]]
@@ -182,7 +182,7 @@ class GkeSpec:
         return doc
 
     @staticmethod
-    def from_dict(d: dict) -> "GkeSpec":
+    def from_dict(d: dict) -> GkeSpec:
         """From a record; KeyError, TypeError or ValueError on anything that is not one."""
         objects = d.get("objects") or []
         if not isinstance(objects, list) or not all(isinstance(o, str) and "/" in o for o in objects):

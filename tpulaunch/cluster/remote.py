@@ -30,20 +30,33 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 from tpulaunch import gcloud
-from tpulaunch.gcloud import SSH_TIMEOUT
-from tpulaunch.cluster.worker_commands import (DEFAULT_PORT, DEFAULT_PYTHON, MAX_PARALLEL_SSH, _marked_json, _tail,
-                                              cluster_key, default_temp_dir, local_auth_env, query_command,
-                                              query_words, ray_start_words, setup_stdin, start_command, stop_command)
 from tpulaunch.cluster.ownership import ID_ENV
 from tpulaunch.cluster.record import ClusterInfo, RemoteSpec, state_dir
 from tpulaunch.cluster.tokens import cluster_id_of, ensure_token, token_file
+from tpulaunch.cluster.worker_commands import (
+    DEFAULT_PORT,
+    DEFAULT_PYTHON,
+    MAX_PARALLEL_SSH,
+    _marked_json,
+    _tail,
+    cluster_key,
+    default_temp_dir,
+    local_auth_env,
+    query_command,
+    query_words,
+    ray_start_words,
+    setup_stdin,
+    start_command,
+    stop_command,
+)
 from tpulaunch.errors import ClusterError
+from tpulaunch.gcloud import SSH_TIMEOUT
 from tpulaunch.plan.slicespec import SliceSpec
 
 Progress = Callable[[int, str], None]  # (worker id, or HEAD for a head off the slice; state text)
@@ -98,7 +111,7 @@ class RemoteSlice:
         self.setup_logs: dict[int, str] = {}  # worker -> where its setup's output was saved
 
     @classmethod
-    def from_record(cls, info: ClusterInfo, index: int = 0) -> "RemoteSlice":
+    def from_record(cls, info: ClusterInfo, index: int = 0) -> RemoteSlice:
         """Slice `index` of a recorded cluster (`cluster up --tpu A [--tpu B ...]`), sharing its
         head and token."""
         r = info.remote
@@ -327,7 +340,7 @@ class RemoteCluster:
 
     @staticmethod
     def new(specs: list[SliceSpec], *, port: int, temp_dir: str | None, python: str, dashboard: bool,
-            head: LocalHead | None, setup: str | None, home: Path) -> "RemoteCluster":
+            head: LocalHead | None, setup: str | None, home: Path) -> RemoteCluster:
         """A cluster to bring up on `specs`; a head here (`head`) gets its marked temp dir under
         `home` (the state directory) once the cluster's token is known."""
         from tpulaunch.cluster import ownership
@@ -342,7 +355,7 @@ class RemoteCluster:
         return RemoteCluster([first, *rest])
 
     @staticmethod
-    def of(info: ClusterInfo) -> "RemoteCluster":
+    def of(info: ClusterInfo) -> RemoteCluster:
         """The cluster a record describes."""
         return RemoteCluster([RemoteSlice.from_record(info, i) for i in range(len(info.slices))])
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from tpulaunch.errors import DiscoveryError, SliceMismatchError, SliceNotReadyError, TopologyError, TpulaunchError
 from tpulaunch.plan import topology as topo_mod
 from tpulaunch.plan.catalog import TYPE_RE
-from tpulaunch.errors import DiscoveryError, SliceMismatchError, SliceNotReadyError, TopologyError, TpulaunchError
 from tpulaunch.plan.slicespec import SliceSpec
 
 if TYPE_CHECKING:

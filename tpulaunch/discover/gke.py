@@ -16,8 +16,8 @@ plugin and the KubeRay TPU webhook set (`TPU_NAME`, `TPU_WORKER_ID`, `TPU_WORKER
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Mapping
 
 from tpulaunch.errors import TopologyError
 from tpulaunch.plan import gke

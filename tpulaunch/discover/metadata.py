@@ -17,9 +17,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from tpulaunch.plan import topology as topo_mod
 from tpulaunch import settings
 from tpulaunch.errors import MetadataError, TopologyError, TpulaunchError
+from tpulaunch.plan import topology as topo_mod
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 
 HOST_ENVS = ("TPULAUNCH_METADATA_HOST", "GCE_METADATA_HOST")
@@ -106,7 +106,7 @@ class MetadataClient:
             if e.code == 404:
                 return None
             raise MetadataError(f"metadata server at {self.host} answered HTTP {e.code} for {path}", _HINT) from None
-        except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, OSError) as e:
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
             reason = getattr(e, "reason", e)
             if isinstance(reason, (socket.timeout, TimeoutError)):
                 why = f"no answer within {self.timeout:g} s"

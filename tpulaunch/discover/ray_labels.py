@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpulaunch.plan import topology as topo_mod
 from tpulaunch.errors import ClusterError, TopologyError
+from tpulaunch.plan import topology as topo_mod
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 from tpulaunch.plan.topology import Topology
 

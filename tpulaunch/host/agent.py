@@ -43,12 +43,19 @@ from tpulaunch.host import heartbeat
 from tpulaunch.host.context import HEARTBEAT_ENV, TIMINGS_ENV
 from tpulaunch.host.environment import NICENESS_ENV, host_env, package_path, run_files_dir, spare_env
 from tpulaunch.host.process import HostProcess
+from tpulaunch.host.protocol import (
+    AgentInfo,
+    HostOptions,
+    HostRun,
+    PollReply,
+    PreflightReport,
+    PreflightRequest,
+    Started,
+)
 from tpulaunch.host.spare import Spare
-from tpulaunch.host.protocol import (AgentInfo, HostOptions, HostRun, PollReply, PreflightReport, PreflightRequest,
-                                     Started)
+from tpulaunch.plan.contract import HostState
 from tpulaunch.plan.env import split_env
 from tpulaunch.plan.launch import run_marker
-from tpulaunch.plan.contract import HostState
 
 EXIT_TPU_BUSY = ExitCode.TPU_BUSY  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
 DRIVER_GONE_S = 60.0  # a run nobody polled for this long has lost its driver

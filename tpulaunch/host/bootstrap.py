@@ -24,9 +24,9 @@ _SPARE = [False]  # this process was forked by a spare, its framework imported b
 _MARKER: list[int] = []  # the fd of the run's heartbeat file, held open (see _hold_run_marker)
 
 from tpulaunch import settings
+from tpulaunch.errors import ExitCode, TpulaunchError
 from tpulaunch.host import context as ctx_mod
 from tpulaunch.host import frameworks, leave
-from tpulaunch.errors import ExitCode, TpulaunchError
 from tpulaunch.host.context import PY_STDIO_ENV, TIMINGS_ENV
 from tpulaunch.plan.contract import HostState
 

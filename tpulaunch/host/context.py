@@ -23,7 +23,7 @@ class RunContext:
 
     __slots__ = ("state", "local_index")
 
-    def __init__(self, state: "HostState", local_index: int | None = None) -> None:
+    def __init__(self, state: HostState, local_index: int | None = None) -> None:
         object.__setattr__(self, "state", state)
         # torch_tpu: this process's device on its host (one process per device); None: one process per host
         object.__setattr__(self, "local_index", local_index)

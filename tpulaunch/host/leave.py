@@ -35,7 +35,7 @@ _RETRY_S = (0.05, 1.0)  # first and longest pause between connects: quick at the
 _TIMEOUT = "TPULAUNCH_DIST_TIMEOUT"
 
 
-def in_order(state: "HostState") -> None:
+def in_order(state: HostState) -> None:
     """Leave after every other host (process 0) or tell process 0 this host is leaving (the others)."""
     port = state.endpoints.exit_port
     if port is None or state.num_processes == 1:

@@ -9,7 +9,7 @@ A thread asks once a second (GCE gives about 30 s of notice) and calls `on_notic
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 POLL_S = 1.0
 TERMINATING = ("TERMINATE_ON_HOST_MAINTENANCE",)

@@ -103,7 +103,7 @@ def connect(host: str, port: int, timeout_s: float) -> str:
         return "open"
     except ConnectionRefusedError:
         return "refused"
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         return "timeout"
     except OSError as e:
         return (e.strerror or type(e).__name__).lower()

@@ -14,7 +14,7 @@ import select
 import subprocess
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tpulaunch import procfs
 from tpulaunch.host.context import PY_STDIO_ENV
@@ -38,7 +38,7 @@ class HostProcess:
     spawning = threading.Lock()
     running: set[int] = set()
 
-    def __init__(self, env: dict[str, str], start: Callable[[], tuple], leftovers: Callable[["HostProcess"], list[int]] | None = None) -> None:
+    def __init__(self, env: dict[str, str], start: Callable[[], tuple], leftovers: Callable[[HostProcess], list[int]] | None = None) -> None:
         """`start()` starts the process: (a Popen or `Adopted`, [(stream name, binary pipe), ...])."""
         self.env = env
         self.lines: collections.deque = collections.deque()
@@ -61,7 +61,7 @@ class HostProcess:
 
     @classmethod
     def spawn(cls, argv: list[str], env: dict[str, str], cwd: str,
-              leftovers: Callable[["HostProcess"], list[int]] | None = None) -> "HostProcess":
+              leftovers: Callable[[HostProcess], list[int]] | None = None) -> HostProcess:
         """A fresh process: the bootstrap (or `exec`'s command) in its own session, dying with us."""
         py = argv[1:3] == ["-m", "tpulaunch.host.bootstrap"]
         # The bootstrap writes Python's sys.stdout/sys.stderr to pipes of their own: native code
@@ -91,7 +91,7 @@ class HostProcess:
 
     @classmethod
     def fork(cls, spare: Spare, state_path: str, env: dict[str, str], cwd: str, timeout_s: float,
-             leftovers: Callable[["HostProcess"], list[int]] | None = None) -> "HostProcess":
+             leftovers: Callable[[HostProcess], list[int]] | None = None) -> HostProcess:
         """A process forked by `spare` (its framework imported already) for one run's state."""
 
         def start() -> tuple:

@@ -59,7 +59,7 @@ class AgentInfo:
     labels: dict
     pid: int
     spares: tuple[str, ...] = ()
-    run: "HostRun | None" = None  # the run this agent's host process belongs to, while it runs
+    run: HostRun | None = None  # the run this agent's host process belongs to, while it runs
 
 
 @dataclass(frozen=True)

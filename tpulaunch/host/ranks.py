@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from tpulaunch import procfs
 from tpulaunch.host import frameworks

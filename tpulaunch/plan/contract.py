@@ -6,8 +6,8 @@ together: what is pickled to the host. `plan.env` derives the host's environment
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Mapping
 
 from tpulaunch.plan.frameworks import Framework
 from tpulaunch.plan.mesh import MeshPlan
@@ -47,7 +47,7 @@ class Endpoints:
         return f"{self.host}:{self.jax_port}" if self.jax_port is not None else None
 
     def moved(self, *, master_port: int | None = None, group_port: int | None = None, jax_port: int | None = None,
-              emulation_port: int | None = None, exit_port: int | None = None) -> "Endpoints":
+              emulation_port: int | None = None, exit_port: int | None = None) -> Endpoints:
         """The same meeting place with the given ports replaced (a restart on one machine)."""
         return replace(
             self,

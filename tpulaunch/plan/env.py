@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from tpulaunch.plan.contract import HostState
 
-
 # Prefixes of the variables a framework import, a native library's load or the interpreter's start
 # may read (compared upper-case). Generous on purpose: a variable wrongly here only costs a warm
 # start; one wrongly missing would make a forked host differ from a fresh one.

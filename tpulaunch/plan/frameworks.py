@@ -11,9 +11,9 @@ run's would start the run cold without a word).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
 
 from tpulaunch.errors import LaunchError
 
@@ -58,7 +58,7 @@ FACTS: dict[Framework, Facts] = {f.name: f for f in (
 )}
 
 
-def facts(name: "str | Framework") -> Facts:
+def facts(name: str | Framework) -> Facts:
     """The facts of a framework by name; one line (exit 2) for an unknown one."""
     try:
         return FACTS[Framework(name)]

@@ -24,14 +24,14 @@ from __future__ import annotations
 import datetime
 import re
 import secrets
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping
 
 from tpulaunch.errors import LaunchError
 from tpulaunch.plan import torch_tpu
-from tpulaunch.plan.frameworks import Framework, facts
 from tpulaunch.plan.contract import MEGASCALE_PORT, Endpoints, HostSlot, HostState, Job
 from tpulaunch.plan.env import host_env
+from tpulaunch.plan.frameworks import Framework, facts
 from tpulaunch.plan.mesh import MeshPlan, resize_slices
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.plan.topology import Topology
@@ -39,7 +39,7 @@ from tpulaunch.plan.topology import Topology
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")  # fullmatch: no newline may trail a name
 
 
-def default_compile_cache(framework: "str | Framework", topology: Topology, num_slices: int,
+def default_compile_cache(framework: str | Framework, topology: Topology, num_slices: int,
                           emulated: bool) -> str | None:
     """`~/.cache/tpulaunch/xla-cache/<framework>/<slice>`, on each host's own disk (`~` is the host's).
 
@@ -168,11 +168,11 @@ class LaunchPlan:
         """The environment of that host's process (`plan.env.host_env` of its state)."""
         return host_env(self.state(process_index))
 
-    def for_attempt(self, attempt: int, endpoints: Endpoints | None = None, reason: str = "restart") -> "LaunchPlan":
+    def for_attempt(self, attempt: int, endpoints: Endpoints | None = None, reason: str = "restart") -> LaunchPlan:
         """The plan of restart number `attempt`, meeting at `endpoints` (default: the same). Pure."""
         return replace(self, attempt=attempt, endpoints=endpoints or self.endpoints, reason=reason)
 
-    def on_fleet(self, keep: list[str], emulation_env: Mapping[str, str]) -> "LaunchPlan":
+    def on_fleet(self, keep: list[str], emulation_env: Mapping[str, str]) -> LaunchPlan:
         """The same job on the slices named in `keep` (a subset of the run's, in the run's order):
         the DCN axis of the mesh (the one spanning the slices) resized to them, slice ids and process
         indices renumbered, the meeting place on the first kept slice, and `emulation_env` (the
@@ -187,7 +187,7 @@ class LaunchPlan:
         return replace(self, job=job, slices=tuple(slices), hosts=_slots(slices, mesh.topology),
                        endpoints=replace(self.endpoints, host=slices[0].workers[0].ip))
 
-    def swapped(self, swaps: Mapping[str, SliceSpec]) -> "LaunchPlan":
+    def swapped(self, swaps: Mapping[str, SliceSpec]) -> LaunchPlan:
         """The same job with slices swapped for others of the same shape (a spare taking a lost one's
         place): each new slice takes the old one's place (slice id, process indices), and every host
         slot and the meeting place follow its hosts. Pure."""
@@ -201,7 +201,7 @@ class LaunchPlan:
         return replace(self, slices=tuple(slices), hosts=_slots(slices, self.topology),
                        endpoints=replace(self.endpoints, host=slices[0].workers[0].ip))
 
-    def on_slices(self, slices: list[SliceSpec]) -> "LaunchPlan":
+    def on_slices(self, slices: list[SliceSpec]) -> LaunchPlan:
         """The same job on these slices (a re-created slice: same name and shape, new VMs and
         addresses): every host slot and the meeting place follow the new addresses. Pure."""
         if [s.name for s in slices] != [s.name for s in self.slices]:
@@ -248,7 +248,7 @@ def build_plan(
     mesh: MeshPlan,
     script: str,
     args: list[str] | tuple[str, ...] = (),
-    framework: "str | Framework" = Framework.TORCH_XLA,
+    framework: str | Framework = Framework.TORCH_XLA,
     user_env: Mapping[str, str] | None = None,
     run_id: str,
     coordinator_port: int,

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Iterator, Sequence
 
 from tpulaunch.errors import MeshError
 from tpulaunch.plan import placement as placement_mod

@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from tpulaunch.plan.topology import Topology
 
@@ -69,7 +70,7 @@ class Torus:
     block: tuple[int, int, int, int]  # one host's share of each dimension
 
     @staticmethod
-    def of(t: Topology) -> "Torus":
+    def of(t: Topology) -> Torus:
         g = t.generation
         dims = (*t.shape, g.devices_per_chip)
         wrap = tuple(wraps(g.torus_dims, n) for n in t.shape) + (False,)
@@ -252,7 +253,7 @@ def _key(hops: Sequence[float | None]) -> tuple[float, ...]:
 
 
 @lru_cache(maxsize=256)
-def _search(torus: Torus, shape: tuple[int, ...], host_rows: bool) -> "_Found | None":
+def _search(torus: Torus, shape: tuple[int, ...], host_rows: bool) -> _Found | None:
     """The best structured assignment of `shape` onto `torus`, and each axis's best score in any."""
     axes = [j for j, n in enumerate(shape) if n > 1]
     if not axes:

@@ -8,8 +8,8 @@ in `tests/integration/test_torch_xla_mesh.py`). Nothing of a run needs it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from tpulaunch.errors import MeshError
 from tpulaunch.plan.mesh import MeshPlan, _ravel, _unravel
@@ -39,7 +39,7 @@ def parse_tensor_shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def shard(plan: MeshPlan, tensor_shape: Sequence[int], spec: Sequence[object]) -> "ShardingPlan":
+def shard(plan: MeshPlan, tensor_shape: Sequence[int], spec: Sequence[object]) -> ShardingPlan:
     """How a tensor of `tensor_shape` is split over `plan` by a partition spec (mesh axis names,
     tuples of them, or None per dimension)."""
     return ShardingPlan.build(plan, tuple(tensor_shape), tuple(spec))
@@ -58,7 +58,7 @@ class ShardingPlan:
     hlo: str
 
     @staticmethod
-    def build(plan: MeshPlan, shape: tuple[int, ...], spec: tuple[object, ...]) -> "ShardingPlan":
+    def build(plan: MeshPlan, shape: tuple[int, ...], spec: tuple[object, ...]) -> ShardingPlan:
         if len(spec) != len(shape):
             raise MeshError(
                 f"spec has {len(spec)} entries but the tensor has {len(shape)} dimensions",

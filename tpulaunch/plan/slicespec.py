@@ -79,7 +79,7 @@ class SliceSpec:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> "SliceSpec":
+    def from_dict(d: dict) -> SliceSpec:
         """The inverse of `to_dict` (a cluster record keeps its slices as JSON)."""
         fields = {k: v for k, v in d.items() if k in SliceSpec.__dataclass_fields__}
         fields["workers"] = tuple(WorkerEndpoint(**w) for w in d.get("workers", ()))
@@ -87,7 +87,7 @@ class SliceSpec:
         return SliceSpec(**fields)
 
     @staticmethod
-    def emulated_from(topology: Topology, name: str, slice_index: int = 0) -> "SliceSpec":
+    def emulated_from(topology: Topology, name: str, slice_index: int = 0) -> SliceSpec:
         """The SliceSpec of a slice emulated on this machine (every host is 127.0.0.1)."""
         return SliceSpec(
             name=name,

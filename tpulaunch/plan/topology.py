@@ -18,9 +18,9 @@ Conventions (documented because every other module relies on them):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterator
 
 from tpulaunch.errors import TopologyError
 from tpulaunch.plan.catalog import (

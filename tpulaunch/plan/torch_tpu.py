@@ -27,8 +27,8 @@ import hashlib
 from dataclasses import dataclass
 
 from tpulaunch.errors import LaunchError
-from tpulaunch.plan.frameworks import TORCH_TPU_MASTER_PORT
 from tpulaunch.plan.contract import HostState
+from tpulaunch.plan.frameworks import TORCH_TPU_MASTER_PORT
 from tpulaunch.plan.topology import Topology
 
 SLICEBUILDER_BASE_PORT = 8070  # TORCH_TPU_BASE_PORT's default

@@ -13,8 +13,9 @@ different facts on each (a TPU's name, a node pool's shape), so each provider mo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from tpulaunch.cluster.record import ClusterInfo
 from tpulaunch.errors import TpulaunchError
@@ -43,7 +44,7 @@ class Recreation:
         return doc
 
     @staticmethod
-    def from_dict(d: dict) -> "Recreation":
+    def from_dict(d: dict) -> Recreation:
         return Recreation(d["slice"], d.get("queued_resource", ""), d.get("why", ""), dict(d.get("steps") or {}),
                           list(d.get("join_failures") or ()), d.get("replica"))
 

@@ -18,10 +18,11 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
-from tpulaunch.cloud_tpu import QR_GONE_BAD as GONE_BAD, TpuApi, api_timeout
+from tpulaunch.cloud_tpu import QR_GONE_BAD as GONE_BAD
+from tpulaunch.cloud_tpu import TpuApi, api_timeout
 from tpulaunch.errors import CapacityError, LaunchError, NameTakenError, NodeNotFoundError
 from tpulaunch.plan import topology as topo_mod
 

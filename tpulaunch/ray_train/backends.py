@@ -17,9 +17,9 @@ from tpulaunch.discover.ray_labels import POD_TYPE, SLICE, TOPO, WORKER
 from tpulaunch.errors import ExitCode, TpulaunchError
 from tpulaunch.host import frameworks
 from tpulaunch.plan import torch_tpu
+from tpulaunch.plan.contract import HostState
 from tpulaunch.plan.env import PLAN_MULTISLICE_ENV, host_env
 from tpulaunch.plan.launch import new_run_id
-from tpulaunch.plan.contract import HostState
 from tpulaunch.plan.mesh import check_placement, parse_axes
 from tpulaunch.ray_train.planning import WorkerFacts, local_indices, plan_for_workers
 

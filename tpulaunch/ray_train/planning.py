@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from tpulaunch.discover.ray_labels import POD_TYPE, SLICE, WORKER
 from tpulaunch.errors import LaunchError
 from tpulaunch.host import frameworks
-from tpulaunch.plan.frameworks import facts as fw_facts
 from tpulaunch.plan.contract import HostState
+from tpulaunch.plan.frameworks import facts as fw_facts
 from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint

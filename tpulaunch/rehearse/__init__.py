@@ -21,9 +21,9 @@ import pickle
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
 
 from tpulaunch.errors import LaunchError
 from tpulaunch.plan.launch import LaunchPlan

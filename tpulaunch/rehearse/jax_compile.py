@@ -28,7 +28,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tpulaunch.errors import ExitCode, LaunchError
 from tpulaunch.rehearse.report import Program, collectives
@@ -63,9 +64,9 @@ def compile_for_tpu(target: TpuTarget, lower: Callable[..., Any], args: tuple, k
     """Lower the program again for TPU and compile it with libtpu for the mapped devices."""
     import numpy as np
     from jax._src import compiler
-    from jax.errors import JaxRuntimeError
     from jax._src.interpreters import pxla
     from jax._src.lib import xla_client as xc
+    from jax.errors import JaxRuntimeError
 
     name = str(args[2])
     t0 = time.monotonic()

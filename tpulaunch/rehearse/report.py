@@ -55,7 +55,7 @@ class Program:
         return {**asdict(self), "total_bytes": self.total_bytes}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Program":
+    def from_dict(cls, d: dict) -> Program:
         names = cls.__dataclass_fields__
         return cls(**{k: v for k, v in d.items() if k in names})
 

@@ -11,8 +11,9 @@ tpulaunch's, the difference is data here (`KNOWN_DIFFERENCES`), checked by
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from tpulaunch.errors import LaunchError
 from tpulaunch.plan.catalog import Generation

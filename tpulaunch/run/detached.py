@@ -27,9 +27,9 @@ from pathlib import Path
 from tpulaunch import discover
 from tpulaunch.cluster.jobs import JobApi, JobInfo
 from tpulaunch.cluster.record import ClusterInfo, check_token_file
-from tpulaunch.run.paths import RunPaths
 from tpulaunch.errors import ClusterError, LaunchError, TpulaunchError
 from tpulaunch.plan.launch import new_run_id
+from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.prepare import LaunchRequest
 from tpulaunch.run.status import RunState, RunView
 
@@ -445,8 +445,7 @@ class StatusFile:
 
     def finished(self, summary) -> None:  # noqa: ANN001 - a RunSummary
         """The end: the state and exit code the run ended with."""
-        from tpulaunch.run.summary import attempts_brief
-        from tpulaunch.run.summary import Outcome
+        from tpulaunch.run.summary import Outcome, attempts_brief
 
         state = {Outcome.OK: RunState.SUCCEEDED, Outcome.INTERRUPTED: RunState.STOPPED}.get(summary.outcome, RunState.FAILED)
         from tpulaunch.run.status import HostPhase, HostView

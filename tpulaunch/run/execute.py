@@ -14,9 +14,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from tpulaunch.discover.ray_labels import SLICE as LABEL_SLICE
 from tpulaunch.discover.ray_labels import WORKER as LABEL_WORKER
@@ -77,7 +78,7 @@ class Limits:
     straggler_ratio: float = 0.7  # name a host below this x the median step rate (0: never)
     debug: bool = False  # say more (why a host did not get a spare)
     # elastic runs on fewer slices: asked with the watch and the time; a reason ends the attempt to grow
-    grow: "Callable[[W.AttemptWatch, float], str | None] | None" = None
+    grow: Callable[[W.AttemptWatch, float], str | None] | None = None
 
 
 class HostLogs:

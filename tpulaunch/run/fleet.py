@@ -17,8 +17,9 @@ import queue
 import re
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from tpulaunch.host.protocol import HostOptions, PollReply, PreflightReport, PreflightRequest, Started
 from tpulaunch.plan.contract import HostState

@@ -114,7 +114,7 @@ class Hang:
                 "hosts": {str(i): {"kind": p.kind, "frame": p.frame} for i, p in sorted(self.places.items())}}
 
     @staticmethod
-    def from_dict(d: dict) -> "Hang":
+    def from_dict(d: dict) -> Hang:
         return Hang({int(k): Place(v["kind"], v["frame"]) for k, v in (d.get("hosts") or {}).items()},
                     tuple(d.get("culprits") or ()), d.get("where", ""), d.get("others", ""), d.get("line", ""),
                     tuple(d.get("slices") or ()))

@@ -25,8 +25,8 @@ from tpulaunch.errors import LaunchError
 from tpulaunch.host.agent import agent_for
 from tpulaunch.plan.launch import LaunchPlan
 from tpulaunch.run import policy
-from tpulaunch.run.execute import Sink
 from tpulaunch.run.context import RunContext
+from tpulaunch.run.execute import Sink
 from tpulaunch.run.loop import run_attempts
 from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.prepare import LaunchRequest, Prepared, Target, recorded_slices
@@ -53,7 +53,7 @@ class Interrupts:
         self.raise_now = True
         self._old: dict[int, object] = {}
 
-    def __enter__(self) -> "Interrupts":
+    def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -88,9 +88,8 @@ class Connection:
             return recorded_slices(cluster)
         if req.slices.queued_resource:
             return discover.ClusterSlices(False)  # its slices come from the Cloud TPU API
-        from tpulaunch.discover import ray_labels
-
         from tpulaunch import providers
+        from tpulaunch.discover import ray_labels
 
         with ray_output_to(driver_log_path(), True):
             self.connect(cluster)

@@ -22,7 +22,7 @@ class RunPaths:
     root: Path  # <log dir>/<run id>
 
     @staticmethod
-    def of(log_dir: str | Path) -> "RunPaths":
+    def of(log_dir: str | Path) -> RunPaths:
         """The paths of the run whose directory is `log_dir` (`LaunchPlan.job.log_dir`)."""
         return RunPaths(Path(log_dir))
 

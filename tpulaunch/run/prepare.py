@@ -14,8 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpulaunch import discover
-from tpulaunch import settings
+from tpulaunch import discover, settings
 from tpulaunch.cluster.connect import connect_timeout, resolve_address
 from tpulaunch.cluster.ports import free_port
 from tpulaunch.cluster.record import ClusterInfo, load_record
@@ -23,7 +22,9 @@ from tpulaunch.cluster.worker_commands import DEFAULT_PYTHON
 from tpulaunch.errors import LaunchError, StateError, TpulaunchError
 from tpulaunch.host import frameworks
 from tpulaunch.plan import torch_tpu
-from tpulaunch.plan.frameworks import Framework, facts as fw_facts, ports as plan_ports
+from tpulaunch.plan.frameworks import Framework
+from tpulaunch.plan.frameworks import facts as fw_facts
+from tpulaunch.plan.frameworks import ports as plan_ports
 from tpulaunch.plan.launch import LaunchPlan, build_plan, default_compile_cache, new_run_id, parse_env
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.run.policy import Budgets

@@ -20,8 +20,18 @@ from tpulaunch.errors import LaunchError
 from tpulaunch.run import detached
 from tpulaunch.run.execute import Sink
 from tpulaunch.run.launch import Connection, launch
-from tpulaunch.run.prepare import (Checked, LaunchRequest, Prepared, Target, check, find_cluster, head_python, is_local,
-                                   prepare, shipped_workdir)
+from tpulaunch.run.prepare import (
+    Checked,
+    LaunchRequest,
+    Prepared,
+    Target,
+    check,
+    find_cluster,
+    head_python,
+    is_local,
+    prepare,
+    shipped_workdir,
+)
 from tpulaunch.run.summary import RunSummary
 
 

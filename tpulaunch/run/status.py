@@ -77,7 +77,7 @@ class RunView:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> "RunView":
+    def from_dict(d: dict) -> RunView:
         hosts = tuple(HostView(**{**h, "phase": HostPhase(h["phase"])}) for h in d.get("hosts", ()))
         return RunView(run_id=d["run_id"], state=RunState(d["state"]), attempt=int(d.get("attempt", 0)), hosts=hosts,
                        attempts=tuple(d.get("attempts", ())), script=d.get("script", ""),

@@ -93,7 +93,7 @@ class HostResult:
         return self.lost or bool(self.preempted) or (self.exit_code not in (None, 0) and not self.stopped_by_tpulaunch)
 
     @staticmethod
-    def from_dict(d: dict) -> "HostResult":
+    def from_dict(d: dict) -> HostResult:
         known = {f for f in HostResult.__dataclass_fields__}
         doc = {k: v for k, v in d.items() if k in known}
         return HostResult(**{**doc, "cause": Cause(doc["cause"]) if doc.get("cause") else None})
@@ -135,7 +135,7 @@ class Attempt:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> "Attempt":
+    def from_dict(d: dict) -> Attempt:
         hosts = [HostResult.from_dict(h) for h in d.get("hosts") or ()]
         first = d.get("first_failure")
         return Attempt(
@@ -174,7 +174,7 @@ class RunSummary:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> "RunSummary":
+    def from_dict(d: dict) -> RunSummary:
         """A `summary.json` (`tpulaunch.summary/v2`) read back: what a run on a cluster's head ended with."""
         if d.get("schema") != SUMMARY_SCHEMA:
             raise ValueError(f"not a {SUMMARY_SCHEMA} document: {str(d.get('schema'))[:80]!r}")

@@ -55,7 +55,7 @@ class Supervision:
     watching: Watching = field(default_factory=Watching)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
-    def check(self, cluster: "ClusterInfo | None", local: bool) -> None:
+    def check(self, cluster: ClusterInfo | None, local: bool) -> None:
         """Refuse (one line) recovery that could never work on this cluster, before anything starts:
         `--recreate` and `--replace-hung` (the CLI, the Python client and a supervisor alike)."""
         from tpulaunch.run.recovery import recreate
@@ -66,7 +66,7 @@ class Supervision:
             recreate.check_replace(cluster, local, self.budgets.max_restarts, self.budgets.min_slices or None)
 
     def limits(self, *, emulated: bool, watch_metadata: bool, keep_warm: bool, debug: bool,
-               started: float | None = None) -> "Limits":
+               started: float | None = None) -> Limits:
         """An attempt's limits (`execute.Limits`) for a run that started at `started` (monotonic)."""
         from tpulaunch.run.execute import Limits
 

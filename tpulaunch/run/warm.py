@@ -8,11 +8,12 @@ environment a plain `tpulaunch run SCRIPT` of that slice gets, so the first run 
 from __future__ import annotations
 
 from tpulaunch.cluster.connect import connect, disconnect
+from tpulaunch.cluster.ports import free_port
 from tpulaunch.cluster.record import ClusterInfo
 from tpulaunch.host import frameworks
 from tpulaunch.host.agent import agent_for
-from tpulaunch.cluster.ports import free_port
-from tpulaunch.plan.frameworks import facts as fw_facts, ports as plan_ports
+from tpulaunch.plan.frameworks import facts as fw_facts
+from tpulaunch.plan.frameworks import ports as plan_ports
 from tpulaunch.plan.launch import LaunchPlan, build_plan
 from tpulaunch.plan.mesh import plan_mesh
 

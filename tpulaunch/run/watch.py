@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import re
 import signal
-from typing import Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tpulaunch.host.protocol import PollReply
 from tpulaunch.host.ranks import FAILED_RE as RANK_FAILED_RE
 from tpulaunch.procfs import exit_reason
-from tpulaunch.run.status import HostPhase, HostView
 from tpulaunch.run.hang import LIBTPU_HANG
+from tpulaunch.run.status import HostPhase, HostView
 from tpulaunch.run.steps import StepRates
 from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome, exit_code_for, first_failure, outcome_of
 

@@ -13,9 +13,8 @@ import importlib.util
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tpulaunch.errors import LaunchError
-from tpulaunch.plan.frameworks import FACTS
+from tpulaunch.plan.frameworks import FACTS, facts
 from tpulaunch.plan.frameworks import Framework as Name
-from tpulaunch.plan.frameworks import facts
 
 if TYPE_CHECKING:
     from tpulaunch.plan.contract import HostState
@@ -25,16 +24,16 @@ if TYPE_CHECKING:
 class Framework(Protocol):
     name: str
 
-    def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
+    def emulation_env(self, topology: Topology, num_slices: int) -> dict[str, str]:
         """Env a host process needs to emulate its TPU host on CPU (pure, driver side)."""
 
     def preload(self) -> None:
         """Import the framework without starting its runtime (a spare host process waits so)."""
 
-    def boot(self, state: "HostState") -> None:
+    def boot(self, state: HostState) -> None:
         """Start the runtime in the host process, before any user code touches it."""
 
-    def build_mesh(self, plan: "MeshPlan", state: "HostState") -> Any:
+    def build_mesh(self, plan: MeshPlan, state: HostState) -> Any:
         """Turn the plan into the framework's mesh, after checking it against the runtime."""
 
     def shutdown(self) -> None:
@@ -44,7 +43,7 @@ class Framework(Protocol):
     # run: let go of what would wait at exit for the other hosts (JAX's atexit barrier).
 
 
-def check_size(where: str, have: int, unit: str, plan: "MeshPlan") -> None:
+def check_size(where: str, have: int, unit: str, plan: MeshPlan) -> None:
     """What the runtime counts (`have` devices, or processes: one per device) must be the planned
     mesh's device count."""
     if have != plan.num_devices:
@@ -61,13 +60,13 @@ def names() -> list[str]:
     return [n.value for n in FACTS]
 
 
-def get(name: "str | Name") -> Framework:
+def get(name: str | Name) -> Framework:
     """A framework's host adapter (its module imported; the framework itself is not)."""
     adapter: Framework = importlib.import_module(facts(name).adapter).ADAPTER
     return adapter
 
 
-def require_installed(name: "str | Name") -> None:
+def require_installed(name: str | Name) -> None:
     """Fail early and clearly on the driver when the framework is not importable."""
     fw = facts(name)
     if fw.import_name and importlib.util.find_spec(fw.import_name) is None:

@@ -35,7 +35,7 @@ class Jax:
     name = "jax"
     _initialized = False
 
-    def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
+    def emulation_env(self, topology: Topology, num_slices: int) -> dict[str, str]:
         return {
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={topology.devices_per_host}",
@@ -47,7 +47,7 @@ class Jax:
         import jax.numpy  # noqa: F401
         import jax.sharding  # noqa: F401
 
-    def boot(self, state: "HostState") -> None:
+    def boot(self, state: HostState) -> None:
         import jax
 
         if state.job.compile_cache:
@@ -85,7 +85,7 @@ class Jax:
                 "the slice tpulaunch planned is not the slice JAX sees; check --tpu/--topology",
             )
 
-    def build_mesh(self, plan: "MeshPlan", state: "HostState") -> Any:
+    def build_mesh(self, plan: MeshPlan, state: HostState) -> Any:
         import jax
         import numpy as np
         from jax.sharding import Mesh
@@ -143,7 +143,7 @@ class Jax:
                   file=sys.stderr)
 
 
-def _adopt_user_initialize(adapter: "Jax", state: "HostState") -> None:
+def _adopt_user_initialize(adapter: Jax, state: HostState) -> None:
     """A script's own `jax.distributed.initialize()` finds the slice's runtime already joined.
 
     JAX allows one initialize per process, before any backend use; tpulaunch has made it (with the
@@ -200,7 +200,7 @@ def device_attributes(device: Any) -> dict:
     return out
 
 
-def device_order(plan: "MeshPlan", attributes: list[dict]) -> list[int]:
+def device_order(plan: MeshPlan, attributes: list[dict]) -> list[int]:
     """Indices into `attributes` (one dict per `jax.devices()` entry) in row-major mesh order.
 
     TPU devices carry `coords`, `core_on_chip` and `slice_index`: we match on those, so the mesh

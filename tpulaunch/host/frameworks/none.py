@@ -19,17 +19,17 @@ if TYPE_CHECKING:
 class NoFramework:
     name = "none"
 
-    def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
+    def emulation_env(self, topology: Topology, num_slices: int) -> dict[str, str]:
         # An emulated host has no TPU: a framework the script imports by itself must not look for one.
         return {"PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu"}
 
     def preload(self) -> None:
         return None
 
-    def boot(self, state: "HostState") -> None:
+    def boot(self, state: HostState) -> None:
         return None
 
-    def build_mesh(self, plan: "MeshPlan", state: "HostState") -> Any:
+    def build_mesh(self, plan: MeshPlan, state: HostState) -> Any:
         return plan
 
     def shutdown(self) -> None:

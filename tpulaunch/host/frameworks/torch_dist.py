@@ -21,7 +21,8 @@ import datetime
 import functools
 import inspect
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tpulaunch.plan.contract import HostState
@@ -40,7 +41,7 @@ def dist_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=settings.host_seconds("TPULAUNCH_DIST_TIMEOUT"))
 
 
-def init_slice_group(state: "HostState") -> None:
+def init_slice_group(state: HostState) -> None:
     """Open the slice's gloo group (tcp:// to the coordinator) and let user inits adopt it."""
     init_group("gloo", f"tcp://{state.endpoints.group_address}", state.process_index, state.num_processes)
 

@@ -30,14 +30,14 @@ AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"  # torch's switch for loading device 
 _DEFERRED = [False]  # torch was imported here with its backends held back: boot loads them
 
 
-def device_type(state: "HostState") -> str:
+def device_type(state: HostState) -> str:
     return "cpu" if state.emulated else "tpu"
 
 
 class TorchTPU:
     name = "torch_tpu"
 
-    def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
+    def emulation_env(self, topology: Topology, num_slices: int) -> dict[str, str]:
         # several processes share an emulated host's cores: one thread each, as torchrun sets
         return {"OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu"}
 
@@ -71,7 +71,7 @@ class TorchTPU:
                 os.environ[AUTOLOAD] = was
         _DEFERRED[0] = True
 
-    def boot(self, state: "HostState") -> None:
+    def boot(self, state: HostState) -> None:
         import torch
 
         from tpulaunch.host.frameworks import torch_dist
@@ -91,7 +91,7 @@ class TorchTPU:
             )
         torch_dist.init_group("tpu_dist", "env://", rank, world, also_satisfies=TPU_BACKENDS)
 
-    def build_mesh(self, plan: "MeshPlan", state: "HostState") -> Any:
+    def build_mesh(self, plan: MeshPlan, state: HostState) -> Any:
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class TorchXLA:
     name = "torch_xla"
 
-    def emulation_env(self, topology: "Topology", num_slices: int) -> dict[str, str]:
+    def emulation_env(self, topology: Topology, num_slices: int) -> dict[str, str]:
         return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(topology.devices * num_slices)}
 
     def preload(self) -> None:
@@ -38,7 +38,7 @@ class TorchXLA:
         import torch_xla.experimental.distributed_checkpoint  # noqa: F401
         import torch_xla.runtime  # noqa: F401
 
-    def boot(self, state: "HostState") -> None:
+    def boot(self, state: HostState) -> None:
         import torch_xla  # noqa: F401  (registers the XLA device)
         import torch_xla.runtime as xr
 
@@ -69,7 +69,7 @@ class TorchXLA:
         if state.job.distributed:
             torch_dist.init_slice_group(state)
 
-    def build_mesh(self, plan: "MeshPlan", state: "HostState") -> Any:
+    def build_mesh(self, plan: MeshPlan, state: HostState) -> Any:
         import numpy as np
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
@@ -244,7 +244,7 @@ def _spmd_already_on(original: Any) -> Any:
     return use_spmd
 
 
-def runtime_device_ids(plan: "MeshPlan", attributes: list[dict]) -> list[int]:
+def runtime_device_ids(plan: MeshPlan, attributes: list[dict]) -> list[int]:
     """Map plan device ids (row-major mesh order) to runtime device ordinals.
 
     TPU devices report `coords`, `core_on_chip` and, on multislice, `slice_index`; we match on

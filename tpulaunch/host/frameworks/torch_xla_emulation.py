@@ -27,7 +27,8 @@ from __future__ import annotations
 import copy
 import functools
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tpulaunch.plan.contract import HostState
@@ -41,7 +42,7 @@ def _answer(original: Callable[..., Any], value: Any) -> Callable[..., Any]:
     return emulated
 
 
-def install(state: "HostState") -> None:
+def install(state: HostState) -> None:
     """Patch torch_xla's runtime queries and minibatch upload for emulated host `state`."""
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
@@ -64,7 +65,7 @@ def install(state: "HostState") -> None:
 class _MinibatchGather:
     """All-gathers each host's local batch over a private gloo group (opened on first use)."""
 
-    def __init__(self, state: "HostState") -> None:
+    def __init__(self, state: HostState) -> None:
         self.state = state
         self.devices_per_host = state.mesh.topology.devices_per_host
         self._group: Any = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tpulaunch.cluster.record import ClusterInfo
 from tpulaunch.errors import LaunchError, TpulaunchError

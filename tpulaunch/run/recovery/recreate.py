@@ -15,7 +15,7 @@ budget has one). The provider does each step; this module only decides when.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tpulaunch import providers
 from tpulaunch.cluster.record import ClusterInfo

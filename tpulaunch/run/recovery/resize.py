@@ -13,8 +13,9 @@ slice again, swap a spare in) is the provider's (`tpulaunch.providers`); what to
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from tpulaunch.errors import TpulaunchError
 from tpulaunch.plan.contract import Endpoints
@@ -83,13 +84,13 @@ def lost_to_preemption(a: Attempt, lost: list[str], ctx: RunContext) -> None:
         a.note = "; ".join(f"slice {n} preempted ({why})" for n, why in verdicts.items())
 
 
-def grow_when(regrowths: list[elastic.Regrowth]) -> "Callable[[AttemptWatch, float], str | None] | None":
+def grow_when(regrowths: list[elastic.Regrowth]) -> Callable[[AttemptWatch, float], str | None] | None:
     """The watch's grow callback: grow back once every lost slice is back (a slice that could not
     come back keeps the run small)."""
     if not regrowths:
         return None
 
-    def ask(watch: "AttemptWatch", now: float) -> str | None:
+    def ask(watch: AttemptWatch, now: float) -> str | None:
         if any(r.error for r in regrowths):
             return None
         whys = [r.should_grow(watch, now) for r in regrowths]
@@ -180,7 +181,7 @@ def swap_in_spares(lost: list[str], a: Attempt, current: LaunchPlan, ctx: RunCon
     return plan
 
 
-def same_shape(s: "RaySlice", topo: Topology) -> bool:
+def same_shape(s: RaySlice, topo: Topology) -> bool:
     """A spare is used only when it is the run's shape: a spare of another shape never is."""
     from tpulaunch.plan import topology as topo_mod
 
