@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import array
+import fcntl
 import json
 import os
 import subprocess
@@ -136,3 +138,50 @@ def status_doc(env: dict[str, str], run_id: str) -> dict:
             if env.get(k) is not None:
                 os.environ[k] = env[k]
         return tpulaunch.Client("auto").run(run_id).status().to_dict()
+
+
+def one_line(proc, code: int) -> str:
+    """Exit `code`, nothing on stdout, exactly one line on stderr, no traceback: that line."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and "internal error" not in lines[0]
+    return lines[0]
+
+
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
+
+
+def _set_immutable(path: Path, on: bool) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
+        flags[0] = flags[0] | FS_IMMUTABLE_FL if on else flags[0] & ~FS_IMMUTABLE_FL
+        fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def read_only(path: Path):
+    """`path` made read-only for this user: mode 0500, or for root (whom no mode bit stops) the
+    immutable attribute (`chattr +i`), which the kernel enforces on root as well. A filesystem
+    that refuses the attribute to root fails the test (it cannot show what it is for)."""
+    if os.geteuid() != 0:
+        path.chmod(0o500)
+        try:
+            yield
+        finally:
+            path.chmod(0o700)
+        return
+    try:
+        _set_immutable(path, True)
+    except OSError as e:
+        raise AssertionError(f"root cannot make {path} read-only on this filesystem ({e.strerror}):"
+                             " run the suite as another user or on a filesystem with chattr +i") from None
+    try:
+        yield
+    finally:
+        _set_immutable(path, False)

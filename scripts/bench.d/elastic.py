@@ -13,10 +13,8 @@ Goodput and wall time of each, from `tpulaunch goodput`.
 from __future__ import annotations
 
 import json
-import uuid
 
-from fakecloud import ZONE, cloud, step_script
-from fakes import closed_port
+from fakecloud import cloud, step_script
 
 SLICES, PROVISION_S, STEPS = ("el-a", "el-b"), 20.0, 200
 SCRIPT = step_script(STEPS, per_host=False)
@@ -24,26 +22,12 @@ SCRIPT = step_script(STEPS, per_host=False)
 
 def scenario(min_slices: int) -> dict:
     with cloud("elastic", provision_s=PROVISION_S) as c:
-        for name in SLICES:
-            c.cli("slice", "create", name, "--accelerator", "v4-8", "--spot", "--wait", "--zone", ZONE, "--project", "p")
-        c.cli("cluster", "up", "--tpu", SLICES[0], "--tpu", SLICES[1], "--zone", ZONE, "--project", "p", "--head",
-              "local", "--head-ip", "127.0.0.2", "--port", str(closed_port()), "--ray-temp-dir",
-              f"/tmp/tplr-{uuid.uuid4().hex[:8]}")
+        c.up(SLICES)
         try:
-            (c.base / "train.py").write_text(SCRIPT)
-            (c.base / "ckpt").mkdir()
-            run_id = c.cli("run", "train.py", "--address", "auto", "--framework", "none", "--detach", "--recreate",
-                           "--num-slices", "2", "--dcn", "data=2", "--min-slices", str(min_slices),
-                           "--max-preemptions", "1", "--preemption-wait", "300",
-                           "--env", f"CKPT_DIR={c.base / 'ckpt'}").strip()
-            c.wait_for_step(run_id, 10)
-            c.preempt(SLICES[1])
-            c.cli("wait", run_id, timeout=900)
-            good = json.loads(c.cli("goodput", run_id, "--json"))
-            final = json.loads(c.cli("status", run_id, "--json"))
+            good, final = c.preempted_run(SCRIPT, "--min-slices", str(min_slices), at_step=10, preempt=SLICES[1])
         finally:
             c.down()
-    return {"min_slices": min_slices, "run_id": run_id, "goodput": good["goodput"], "wall_s": good["wall_s"],
+    return {"min_slices": min_slices, "run_id": final["run_id"], "goodput": good["goodput"], "wall_s": good["wall_s"],
             "buckets": good["buckets"], "attempts": [(a["outcome"], a.get("reason")) for a in final["attempts"]]}
 
 

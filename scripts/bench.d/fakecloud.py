@@ -2,8 +2,9 @@
 (tests/fakes: every worker runs on this machine), the CLI run against them, and the script they step.
 
 `cloud(prefix, provision_s)` yields a `Cloud`: its directory, the fake API, the CLI's environment,
-`cli(...)` (stdout; a failed command ends the bench saying which) and `preempt(node)` (Google
-Cloud's preemption of a spot slice, through the fake's control endpoint).
+`cli(...)` (stdout; a failed command ends the bench saying which), `preempt(node)` (Google
+Cloud's preemption of a spot slice, through the fake's control endpoint), `up(slices)` (the slices
+and a cluster over them, its head here) and `preempted_run(...)` (the scenario both benches time).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ from typing import Callable, Iterator
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from fakes import cli_env, run_cli  # noqa: E402
+from fakes import cli_env, closed_port, run_cli  # noqa: E402
 from fakes.tpu_api_server import FakeTpuApi  # noqa: E402
 
 ZONE = "us-central2-b"
@@ -75,6 +77,31 @@ class Cloud:
 
     def down(self) -> None:
         run_cli("cluster", "down", env=self.env, cwd=self.base, timeout=240)
+
+    def up(self, slices: tuple[str, ...], *extra: str) -> None:
+        """Spot v4-8 slices (one host each) made through the fake API, and one Ray cluster over them
+        with its head here (`cluster up --tpu A --tpu B --head local`; `extra` flags added)."""
+        for name in slices:
+            self.cli("slice", "create", name, "--accelerator", "v4-8", "--spot", "--wait", "--zone", ZONE,
+                     "--project", "p")
+        tpus = [w for name in slices for w in ("--tpu", name)]
+        self.cli("cluster", "up", *tpus, "--zone", ZONE, "--project", "p", "--head", "local", "--head-ip",
+                 "127.0.0.2", "--port", str(closed_port()), "--ray-temp-dir", f"/tmp/tplr-{uuid.uuid4().hex[:8]}",
+                 *extra)
+
+    def preempted_run(self, script: str, *flags: str, at_step: int, preempt: str) -> tuple[dict, dict]:
+        """A detached 2-slice `--recreate` run of `script` (checkpoints in ckpt/; `flags` added), slice
+        `preempt` preempted once every host reached `at_step`: its goodput and final status, once
+        it ended."""
+        (self.base / "train.py").write_text(script)
+        (self.base / "ckpt").mkdir()
+        run_id = self.cli("run", "train.py", "--address", "auto", "--framework", "none", "--detach", "--recreate",
+                          "--num-slices", "2", "--dcn", "data=2", "--max-preemptions", "1", "--preemption-wait",
+                          "300", "--env", f"CKPT_DIR={self.base / 'ckpt'}", *flags).strip()
+        self.wait_for_step(run_id, at_step)
+        self.preempt(preempt)
+        self.cli("wait", run_id, timeout=900)
+        return json.loads(self.cli("goodput", run_id, "--json")), json.loads(self.cli("status", run_id, "--json"))
 
 
 @contextmanager

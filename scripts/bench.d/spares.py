@@ -25,11 +25,10 @@ import json
 import statistics
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
-from fakecloud import ZONE, cloud, step_script
-from fakes import cli_env, closed_port, run_cli
+from fakecloud import cloud, step_script
+from fakes import cli_env, run_cli
 
 SLICES, PREEMPT_AT, STEPS = ("sp-a", "sp-b"), 8, 60
 STEP_SCRIPT = step_script(STEPS, per_host=False)
@@ -64,29 +63,16 @@ while step < 12:
 def preemption(spare: bool) -> dict:
     """One run of the preemption scenario: its recovery, the fake API's part of it, and the swap."""
     with cloud("spares") as c:
-        for name in SLICES:
-            c.cli("slice", "create", name, "--accelerator", "v4-8", "--spot", "--wait", "--zone", ZONE, "--project", "p")
-        c.cli("cluster", "up", "--tpu", SLICES[0], "--tpu", SLICES[1], "--zone", ZONE, "--project", "p", "--head",
-              "local", "--head-ip", "127.0.0.2", "--port", str(closed_port()), "--ray-temp-dir",
-              f"/tmp/tplr-{uuid.uuid4().hex[:8]}", *(["--spare-slices", "1"] if spare else []))
+        c.up(SLICES, *(["--spare-slices", "1"] if spare else []))
         try:
-            (c.base / "train.py").write_text(STEP_SCRIPT)
-            (c.base / "ckpt").mkdir()
-            run_id = c.cli("run", "train.py", "--address", "auto", "--framework", "none", "--detach", "--recreate",
-                           "--num-slices", "2", "--dcn", "data=2", "--max-preemptions", "1", "--preemption-wait",
-                           "300", "--env", f"CKPT_DIR={c.base / 'ckpt'}").strip()
-            c.wait_for_step(run_id, PREEMPT_AT)
-            c.preempt(SLICES[1])
-            c.cli("wait", run_id, timeout=900)
-            good = json.loads(c.cli("goodput", run_id, "--json"))
-            final = json.loads(c.cli("status", run_id, "--json"))
+            good, final = c.preempted_run(STEP_SCRIPT, at_step=PREEMPT_AT, preempt=SLICES[1])
         finally:
             c.down()
     a0 = final["attempts"][0]
     rec = (a0.get("recreated") or [{}])[0].get("steps", {})
     api_s = sum(rec.get(k, 0.0) for k in ("delete_s", "create_s", "provision_s"))
     recovery = good["attempts"][1].get("recovery_s", 0.0)
-    return {"spare": spare, "run_id": run_id, "recovery_s": recovery, "api_s": api_s, "overhead_s": recovery - api_s,
+    return {"spare": spare, "run_id": final["run_id"], "recovery_s": recovery, "api_s": api_s, "overhead_s": recovery - api_s,
             "swap_s": sum(r["seconds"] for r in a0.get("replaced", [])), "how": [r["how"] for r in a0.get("replaced", [])],
             "outcomes": [a["outcome"] for a in final["attempts"]], "goodput": good["goodput"], "wall_s": good["wall_s"]}
 

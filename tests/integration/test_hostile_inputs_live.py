@@ -6,20 +6,16 @@ were removed. The rules that need no cluster are in tests/unit/test_hostile_inpu
 
 from __future__ import annotations
 
-import array
-import fcntl
 import ipaddress
 import json
-import os
 import re
 import shutil
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from support import SHARED, cli_env, live_processes, processes_mentioning, run_cli
+from support import SHARED, cli_env, live_processes, processes_mentioning, read_only, run_cli
 from tpulaunch.cluster import ownership
 from tpulaunch.cluster.emulated import ray_temp_dir
 from tpulaunch.errors import ExitCode
@@ -174,39 +170,6 @@ def test_ray_driver_log_that_is_a_directory_is_one_line_naming_it(own_cluster, t
 # -- 2. a failed bring-up leaves nothing behind -------------------------------------------------------------
 
 
-FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
-
-
-def _set_immutable(path: Path, on: bool) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        flags = array.array("l", [0])
-        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
-        flags[0] = flags[0] | FS_IMMUTABLE_FL if on else flags[0] & ~FS_IMMUTABLE_FL
-        fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def read_only(path: Path):
-    """`path` made read-only for this user: mode 0500, or for root (whom no mode bit stops) the
-    immutable attribute (`chattr +i`), which the kernel enforces on root as well."""
-    if os.geteuid() != 0:
-        path.chmod(0o500)
-        try:
-            yield
-        finally:
-            path.chmod(0o700)
-        return
-    try:
-        _set_immutable(path, True)
-    except OSError as e:
-        pytest.skip(f"root cannot make {path} read-only on this filesystem ({e.strerror})")
-    try:
-        yield
-    finally:
-        _set_immutable(path, False)
 
 
 def _marked_for(temp_dir: Path, home: Path) -> bool:

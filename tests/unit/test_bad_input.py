@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fakes import invoke
-from support import cli_env, write_scripts
+from support import cli_env, one_line, write_scripts
 from tpulaunch.cluster import ownership
 from tpulaunch.errors import ExitCode, StateError
 
@@ -28,16 +28,6 @@ def work(tmp_path):
 @pytest.fixture
 def home(tmp_path):
     return tmp_path / "home"
-
-
-def one_line(proc, code: int) -> str:
-    """Exit `code`, nothing on stdout, exactly one line on stderr, no traceback: that line."""
-    assert proc.returncode == code, (proc.returncode, proc.stderr)
-    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("error: ") and "internal error" not in lines[0]
-    return lines[0]
 
 
 def run(work, home, *args, env_extra=None):

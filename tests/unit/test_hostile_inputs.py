@@ -6,30 +6,17 @@ late would fail here, not pass). What needs a real cluster is tests/integration/
 
 from __future__ import annotations
 
-import array
-import fcntl
 import os
 import socket
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from fakes import invoke
-from support import cli_env
+from support import cli_env, one_line, read_only
 from tpulaunch.cluster import record
 from tpulaunch.errors import ExitCode, MeshError, StateError
 from tpulaunch.plan import mesh
-
-
-def one_line(proc, code: int) -> str:
-    """Exit `code`, nothing on stdout, exactly one line on stderr, no traceback: that line."""
-    assert proc.returncode == code, (proc.returncode, proc.stderr)
-    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("error: ") and "internal error" not in lines[0]
-    return lines[0]
 
 
 @pytest.fixture
@@ -71,39 +58,6 @@ def test_the_slice_bound_itself():
 
 # -- 2. a TPULAUNCH_HOME that cannot be written ------------------------------------------------------
 
-FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
-
-
-def _set_immutable(path: Path, on: bool) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        flags = array.array("l", [0])
-        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
-        flags[0] = flags[0] | FS_IMMUTABLE_FL if on else flags[0] & ~FS_IMMUTABLE_FL
-        fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def read_only(path: Path):
-    """`path` made read-only for this user: mode 0500, or for root (whom no mode bit stops) the
-    immutable attribute (`chattr +i`), which the kernel enforces on root as well."""
-    if os.geteuid() != 0:
-        path.chmod(0o500)
-        try:
-            yield
-        finally:
-            path.chmod(0o700)
-        return
-    try:
-        _set_immutable(path, True)
-    except OSError as e:
-        pytest.skip(f"root cannot make {path} read-only on this filesystem ({e.strerror})")
-    try:
-        yield
-    finally:
-        _set_immutable(path, False)
 
 
 def test_a_home_that_cannot_be_written_is_refused_before_a_cluster_starts(home):
