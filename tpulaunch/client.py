@@ -25,11 +25,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpulaunch.errors import TpulaunchError, WaitTimeout
 from tpulaunch.run.status import HostPhase, RunState
 from tpulaunch.run.summary import RunSummary
+
+if TYPE_CHECKING:
+    from tpulaunch.cluster.record import ClusterInfo
 
 __all__ = ["AttemptStatus", "Client", "HostStatus", "Run", "RunSpec", "RunStatus", "WaitTimeout", "launch"]
 
@@ -444,7 +447,7 @@ class PrintSink:
         self.statuses[:] = [view]
 
 
-def _cluster(address: str) -> Any:
+def _cluster(address: str) -> ClusterInfo:
     import os
 
     from tpulaunch.cluster.connect import resolve_address

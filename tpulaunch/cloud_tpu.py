@@ -99,7 +99,7 @@ def _bounded(fn: Callable[[], T], seconds: float, on_timeout: Callable[[], Excep
     def target() -> None:
         try:
             box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as e:  # re-raised in the caller's thread
             box["error"] = e
 
     t = threading.Thread(target=target, name="tpulaunch-tpu-api", daemon=True)
@@ -180,7 +180,7 @@ class TpuApi:
     def _record_raw(self, response: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             doc = response.json()
-        except Exception:  # noqa: BLE001 - errors are the client's business
+        except Exception:  # errors are the client's business
             return response
         if isinstance(doc, dict):
             for node in doc.get("nodes", []) if isinstance(doc.get("nodes"), list) else [doc]:
@@ -255,7 +255,7 @@ class TpuApi:
                 return fn(client, self._remaining())
         except TpulaunchError:
             raise
-        except Exception as e:  # noqa: BLE001 - mapped to one readable line
+        except Exception as e:  # mapped to one readable line
             raise self.map_error(e, resource=resource, permission=permission) from None
 
     # -- errors ---------------------------------------------------------------------------------
@@ -270,8 +270,8 @@ class TpuApi:
         if isinstance(e, core.NotFound):
             return NodeNotFoundError(f"{resource} not found", "check the name and --zone/--project")
         if isinstance(e, core.Conflict):
-            return NameTakenError(f"{_short(resource)} already exists", "delete it first (tpulaunch slice delete NAME), or pick"
-                                 " another name")
+            return NameTakenError(f"{_short(resource)} already exists",
+                                  "delete it first (tpulaunch slice delete NAME), or pick another name")
         if isinstance(e, core.TooManyRequests):  # 429 quota on the call, or RESOURCE_EXHAUSTED (8) in the operation
             return CapacityError(f"the Cloud TPU API has no room for {_short(resource)}: {_service_text(e)}",
                                  "request more quota, or try another zone or tier (--spot, --reserved)")
@@ -309,7 +309,8 @@ class TpuApi:
             )
         if isinstance(e, requests.exceptions.RequestException):
             return ApiUnreachableError(f"request to the Cloud TPU API at {where} failed ({_one_line(str(e), 160)})")
-        return DiscoveryError(f"could not read {resource} from the Cloud TPU API: {type(e).__name__}: {_one_line(str(e), 160)}")
+        return DiscoveryError(f"could not read {resource} from the Cloud TPU API: {type(e).__name__}:"
+                              f" {_one_line(str(e), 160)}")
 
 
 def _short(resource: str) -> str:

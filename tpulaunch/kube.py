@@ -180,7 +180,7 @@ class Kube:
             return resp
         except KubeError:
             raise
-        except Exception as e:  # noqa: BLE001 - urllib3's connection errors, timeouts, TLS
+        except Exception as e:  # urllib3's connection errors, timeouts, TLS
             raise KubeError(f"{self.where} cannot be reached: {_reason(e)}",
                             "check the cluster's endpoint and your network (`kubectl cluster-info`)") from None
 
@@ -210,7 +210,8 @@ class Kube:
             return KubeError(f"{self.where} refused the credentials (401 Unauthorized)",
                              "refresh them: `gcloud container clusters get-credentials CLUSTER --location L`")
         if status == 403:
-            verb = verb or {"GET": "get", "POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}[method]
+            verbs = {"GET": "get", "POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}
+            verb = verb or verbs[method]
             return KubeForbidden(f"forbidden by RBAC: {message or what}",
                                  f"ask your cluster admin for '{verb}' on {what} in namespace {self.namespace}")
         if status == 404:
@@ -295,7 +296,7 @@ class Kube:
                     yield ev.get("type", ""), ev.get("object") or {}
         except KubeError:
             raise
-        except Exception:  # noqa: BLE001 - the stream ended (timeout, connection closed): the caller watches again
+        except Exception:  # the stream ended (timeout, connection closed): the caller watches again
             return
         finally:
             r.release_conn()
@@ -361,7 +362,7 @@ class Forward:
             pf = portforward(core.connect_get_namespaced_pod_portforward, self.pod, self.kube.namespace,
                              ports=str(self.remote_port), _request_timeout=timeout_s())
             remote = pf.socket(self.remote_port)
-        except Exception as e:  # noqa: BLE001 - the pod went away, RBAC, ...: this connection fails, the next may not
+        except Exception as e:  # the pod went away, RBAC, ...: this connection fails, the next may not
             self.errors.append(_reason(e))
             conn.close()
             return

@@ -51,7 +51,7 @@ class Process:
 
     def open_files(self) -> list[str]:
         """Targets of its open file descriptors (paths, `pipe:[..]`, `socket:[..]`)."""
-        out = []
+        out: list[str] = []
         try:
             fds = os.listdir(f"{PROC}/{self.pid}/fd")
         except OSError:
@@ -239,7 +239,8 @@ def _send(pid: int, sig: int) -> None:
         pass
 
 
-def stop(pids: Iterable[int] | Callable[[], Iterable[int]], grace_s: float = 3.0, kill_wait_s: float = 2.0) -> list[int]:
+def stop(pids: Iterable[int] | Callable[[], Iterable[int]], grace_s: float = 3.0,
+         kill_wait_s: float = 2.0) -> list[int]:
     """SIGTERM, then SIGKILL whatever is still alive after `grace_s`; returns the pids left alive.
 
     `pids` may be a function: it is asked again before SIGKILL, so processes that appeared in the

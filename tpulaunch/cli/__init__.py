@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING, TypeAlias
 
 import typer
 
 from tpulaunch.errors import ExitCode, TpulaunchError
+
+if TYPE_CHECKING:
+    import click
+    from typer._click import exceptions as typer_click
+
+    # What a usage error can be: click's, or the copy Typer vendors (another class, the same interface).
+    ClickError: TypeAlias = click.ClickException | typer_click.ClickException
 
 app = typer.Typer(
     name="tpulaunch",
@@ -46,7 +54,8 @@ def _root(
 COMMAND_MODULES = {
     "topology": "cmd_topology", "mesh": "cmd_mesh", "run": "cmd_run", "exec": "cmd_exec",
     "runs": "cmd_runs", "status": "cmd_runs", "logs": "cmd_runs", "stop": "cmd_runs", "wait": "cmd_runs",
-    "slice": "cmd_slice", "cluster": "cmd_cluster", "supervise": "cmd_run", "goodput": "cmd_goodput", "trace": "cmd_goodput",
+    "slice": "cmd_slice", "cluster": "cmd_cluster", "supervise": "cmd_run",
+    "goodput": "cmd_goodput", "trace": "cmd_goodput",
 }
 
 
@@ -63,14 +72,14 @@ def _register(argv: list[str]) -> None:
         importlib.import_module(f"tpulaunch.cli.{name}")
 
 
-def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+def _click_exception_types() -> tuple[tuple[type[ClickError], ...], tuple[type[BaseException], ...]]:
     """Typer >= 0.29 vendors its own click (`typer._click`); accept both copies."""
     import click
 
-    usage: list[type] = [click.exceptions.ClickException]
-    abort: list[type] = [click.exceptions.Abort]
+    usage: list[type[ClickError]] = [click.exceptions.ClickException]
+    abort: list[type[BaseException]] = [click.exceptions.Abort]
     try:
-        from typer._click import exceptions as vendored  # type: ignore[import-not-found]
+        from typer._click import exceptions as vendored
 
         usage.append(vendored.ClickException)
         if hasattr(vendored, "Abort"):
@@ -104,7 +113,7 @@ def invoke(argv: list[str]) -> int:
     except KeyboardInterrupt:
         Output().error("interrupted")
         return ExitCode.INTERRUPTED
-    except Exception as e:  # noqa: BLE001 - last-resort handler
+    except Exception as e:  # the last-resort handler
         click_exc, abort_exc = _click_exception_types()
         if isinstance(e, click_exc):
             # One line, like every other bad input: what was wrong, and where the help is.
@@ -144,7 +153,7 @@ def _native_stderr_to_log(argv: list[str]) -> None:
         from tpulaunch.cluster.record import driver_log_path
 
         log = os.open(driver_log_path(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    except Exception:  # noqa: BLE001 - a bad state dir is reported by the command itself
+    except Exception:  # a bad state dir is reported by the command itself
         return
     sys.stderr.flush()
     real = os.dup(2)

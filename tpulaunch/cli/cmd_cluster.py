@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
+from rich.status import Status
 from rich.table import Table
 
 from tpulaunch import discover
@@ -46,10 +48,11 @@ def up(
                                    help="Ray's dashboard on the head: the job API detached runs need (emulated: bound"
                                         " to 127.0.0.1; token auth on)."),
     prewarm: str = typer.Option("torch_xla", "--prewarm",
-                                help="Leave a spare process with this framework imported on every host: torch_xla, jax, none."),
+                                help="Leave a spare process with this framework imported on every host: torch_xla,"
+                                     " jax, none."),
     tpu: list[str] | None = typer.Option(None, "--tpu",
-                                            help="A real TPU VM slice (node name): bring Ray up on its workers over gcloud"
-                                                 " ssh. Repeat it for a multislice cluster (with --head local)."),
+                                         help="A real TPU VM slice (node name): bring Ray up on its workers over gcloud"
+                                              " ssh. Repeat it for a multislice cluster (with --head local)."),
     zone: str | None = opt.ZONE,
     project: str | None = opt.PROJECT,
     port: int = typer.Option(worker_commands.DEFAULT_PORT, "--port", min=1, max=65535,
@@ -57,31 +60,32 @@ def up(
     remote_python: str = typer.Option(worker_commands.DEFAULT_PYTHON, "--remote-python",
                                       help="--tpu: the Python on the TPU VMs that has Ray installed."),
     ray_temp_dir: str | None = typer.Option(None, "--ray-temp-dir",
-                                               help="--tpu: Ray's temp dir on the VMs (default /tmp/tpl-<hash>)."),
+                                            help="--tpu: Ray's temp dir on the VMs (default /tmp/tpl-<hash>)."),
     head: str = typer.Option("worker-0", "--head",
                              help="--tpu: where the Ray head runs: worker-0, or local (this machine, off the slice:"
                                   " a preemption of the slice then spares the head and detached runs)."),
     head_ip: str | None = typer.Option(None, "--head-ip",
-                                          help="--head local: the address the TPU workers reach this machine at"
-                                               " (default: this machine's address on the route to worker 0)."),
+                                       help="--head local: the address the TPU workers reach this machine at"
+                                            " (default: this machine's address on the route to worker 0)."),
     setup: str | None = typer.Option(None, "--setup", metavar="CMD",
-                                        help="--tpu: a shell command every worker runs before it joins (e.g. 'pip install"
-                                             " -r requirements.txt'); again on re-created VMs."),
+                                     help="--tpu: a shell command every worker runs before it joins (e.g. 'pip install"
+                                          " -r requirements.txt'); again on re-created VMs."),
     setup_script: Path | None = typer.Option(None, "--setup-script", metavar="FILE",
-                                                help="--tpu: like --setup, a script file read here."),
+                                             help="--tpu: like --setup, a script file read here."),
     spare_slices: int = typer.Option(0, "--spare-slices", metavar="K", min=0, max=64,
                                      help="K more slices of the same shape, joined and warm, held in reserve: one takes"
-                                          " a lost (or hung) slice's place in a run at once, and the lost one comes back"
-                                          " as the spare."),
+                                          " a lost (or hung) slice's place in a run at once, and the lost one comes"
+                                          " back as the spare."),
     gke: bool = typer.Option(False, "--gke", help="A KubeRay RayCluster on GKE's TPU node pools (with --topology,"
                                                   " --accelerator, --image; or --join NAME)."),
     image: str | None = typer.Option(None, "--image", help="--gke: the image every pod runs (with this tpulaunch and"
-                                                              " its Ray)."),
+                                                           " its Ray)."),
     spot: bool = typer.Option(False, "--spot", help="--gke: the slices on spot node pools."),
     join_name: str | None = typer.Option(None, "--join", metavar="NAME",
-                                            help="--gke: adopt the KubeRay cluster NAME (`cluster down` leaves it standing)."),
+                                         help="--gke: adopt the KubeRay cluster NAME (`cluster down` leaves it"
+                                              " standing)."),
     placement_policy: str | None = typer.Option(None, "--placement-policy",
-                                                   help="--gke, tpu7x multi-host: the workload policy of the node pools."),
+                                                help="--gke, tpu7x multi-host: the workload policy of the node pools."),
     head_cpu: str = typer.Option("2", "--head-cpu", help="--gke: the head pod's CPU (a CPU node, never a TPU one)."),
     head_memory: str = typer.Option("8Gi", "--head-memory", help="--gke: the head pod's memory."),
     timeout: float = typer.Option(900.0, "--timeout", metavar="SECONDS",
@@ -123,11 +127,11 @@ def up(
                 raise LaunchError("--gke needs --topology and --accelerator", "e.g. --topology 2x2x2 --accelerator v5p")
             if not math.isfinite(timeout) or timeout <= 0:
                 raise LaunchError(f"--timeout {timeout:g} is not a positive number of seconds", "e.g. --timeout 900")
-            req = gke_provider.UpRequest(target, "tpulaunch" if name == "emulated" else name, topology, accelerator,
-                                         num_slices or 1, chips_per_host, spot, image, placement_policy, head_cpu,
-                                         head_memory, timeout, spare_slices)
+            up_req = gke_provider.UpRequest(target, "tpulaunch" if name == "emulated" else name, topology,
+                                            accelerator, num_slices or 1, chips_per_host, spot, image, placement_policy,
+                                            head_cpu, head_memory, timeout, spare_slices)
             if dry_run:
-                doc = gke_provider.dry_run(req)
+                doc = gke_provider.dry_run(up_req)
                 if json_out:
                     out.json(doc)
                 else:
@@ -135,16 +139,18 @@ def up(
 
                     out.line(_json.dumps(doc, indent=2))
                 return
-            checked = gke_provider.check_up(req)  # before any progress line: a bad request is one line
-            with out.status(f"bringing up RayCluster {req.name} on GKE ...") as st:
+            checked = gke_provider.check_up(up_req)  # before any progress line: a bad request is one line
+            with out.status(f"bringing up RayCluster {up_req.name} on GKE ...") as st:
                 info = gke_provider.up(checked, _say(out, st))
+        gke_spec = info.gke
+        assert gke_spec is not None  # a GKE cluster's record says where it is (`up` and `join` set it)
         if json_out:
             out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,
                       "slices": [s.to_dict() for s in info.slices], "token_path": info.token_path,
-                      "gke": info.gke.to_dict()})
+                      "gke": gke_spec.to_dict()})
         else:
             what = ", ".join(f"{s.name} ({s.accelerator_type}, {len(s.workers)} hosts)" for s in info.slices)
-            out.line(f"cluster up: RayCluster {info.gke.name} in namespace {info.gke.namespace}: {what}")
+            out.line(f"cluster up: RayCluster {gke_spec.name} in namespace {gke_spec.namespace}: {what}")
             for line in gke_views.reach_lines(info):
                 out.info(line)
         return
@@ -215,7 +221,7 @@ def _abandon(info: ClusterInfo) -> None:
     processes and temp dir go, and so does its record if it was written."""
     try:
         emulated.stop_cluster(info)
-    except Exception as e:  # noqa: BLE001 - the error that ended `cluster up` is the one to report
+    except Exception as e:  # the error that ended `cluster up` is the one to report
         Output().warn(f"the cluster {info.address or info.temp_dir} could not be stopped ({e});"
                       " `tpulaunch cluster down --force` finds it")
     try:
@@ -226,7 +232,7 @@ def _abandon(info: ClusterInfo) -> None:
         clear_record()
 
 
-def _say(out: Output, st):  # noqa: ANN001, ANN202 - a rich status (or None in a pipe) -> Callable[[str], None]
+def _say(out: Output, st: Status | None) -> Callable[[str], None]:  # st: a rich status, None in a pipe
     def say(msg: str) -> None:
         if st is not None:
             st.update(msg)
@@ -245,7 +251,8 @@ def _refuse_if_up(gke: bool, name: str | None = None) -> None:
         raise ClusterError(f"a cluster on GKE (RayCluster {rec.gke.name}) is recorded as up",
                            "stop it first with `tpulaunch cluster down`")
     if gke and (rec.remote or (rec.emulated and rec.running_here)):
-        raise ClusterError(f"a cluster is recorded as up at {rec.address}", "stop it first with `tpulaunch cluster down`")
+        raise ClusterError(f"a cluster is recorded as up at {rec.address}",
+                           "stop it first with `tpulaunch cluster down`")
 
 
 def _status_doc(info: ClusterInfo) -> dict:
@@ -279,21 +286,23 @@ def status(
     for name, why in doc.get("not_whole", {}).items():
         out.warn(f"slice {name}: {why}: `tpulaunch cluster repair` brings it back")
     table = Table()
-    for col in ("slice", "type", "topology", "worker", "alive", "busy", "node"):
+    cols = ("slice", "type", "topology", "worker", "alive", "busy", "node")
+    for col in cols:
         table.add_column(col)
     spare_names = set(doc["spares"])
     for s in doc["slices"]:
         if s.get("maintenance_at"):
-            out.warn(f"slice {s['name']}: host maintenance scheduled at {s['maintenance_at']} (node pool {s.get('node_pool')})")
+            out.warn(f"slice {s['name']}: host maintenance scheduled at {s['maintenance_at']}"
+                     f" (node pool {s.get('node_pool')})")
         for h in s["hosts"]:
-            row = [s["name"] + (" (spare)" if s["name"] in spare_names else ""), s["pod_type"] or "", s["topology"] or "",
-                   str(h["worker_id"]),
+            row = [s["name"] + (" (spare)" if s["name"] in spare_names else ""), s["pod_type"] or "",
+                   s["topology"] or "", str(h["worker_id"]),
                    "yes" if h["alive"] else "NO", "?" if h["busy"] is None else "yes" if h["busy"] else "no",
                    h["node_ip"] or ""]
             if out.rich:
                 table.add_row(*row)
             else:
-                out.line(" ".join(f"{k}={v}" for k, v in zip(("slice", "type", "topology", "worker", "alive", "busy", "node"), row)))
+                out.line(" ".join(f"{k}={v}" for k, v in zip(cols, row, strict=True)))
     if out.rich:
         out.result(table)
 
@@ -426,4 +435,5 @@ def _down_force(out: Output, json_out: bool, every_home: bool) -> None:
         out.line("no cluster of tpulaunch's runs on this machine")
     else:
         for c in stopped:
-            out.line(f"cluster {c['cluster_id']} ({c['temp_dir'] or 'temp dir gone'}) stopped ({c['processes_stopped']} processes)")
+            out.line(f"cluster {c['cluster_id']} ({c['temp_dir'] or 'temp dir gone'}) stopped"
+                     f" ({c['processes_stopped']} processes)")

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -21,6 +22,10 @@ from tpulaunch.cluster.record import ClusterInfo, load_record, save_record, stat
 from tpulaunch.cluster.worker_commands import DEFAULT_PORT as RAY_PORT_DEFAULT  # the flags' defaults are the cluster's
 from tpulaunch.errors import ClusterError, DiscoveryError, ExitCode, TpulaunchError
 from tpulaunch.host import tpu_holders
+
+if TYPE_CHECKING:
+    from tpulaunch.cluster.remote import Progress
+    from tpulaunch.plan.slicespec import SliceSpec
 
 
 class HostProgress:
@@ -54,7 +59,7 @@ class HostProgress:
                                                       else f"worker {worker}")
                 self.out.info(f"{long}: {state}")
 
-    def for_slice(self, name: str):  # noqa: ANN201 - a remote.Progress
+    def for_slice(self, name: str) -> Progress:
         """The progress callback of one slice's hosts."""
         return lambda worker, state: self.update(name, worker, state)
 
@@ -77,7 +82,8 @@ def setup_text(command: str | None, script: Path | None) -> str | None:
         try:
             text = script.read_text()
         except OSError as e:
-            raise TpulaunchError(f"--setup-script {script} cannot be read: {e.strerror}", "give a readable file") from None
+            raise TpulaunchError(f"--setup-script {script} cannot be read: {e.strerror}",
+                                 "give a readable file") from None
         return text
     if command is not None and not command.strip():
         raise TpulaunchError("--setup is empty", "give a command, e.g. --setup 'pip install -r requirements.txt'")
@@ -100,7 +106,8 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
         raise TpulaunchError(f"--tpu names a TPU twice ({', '.join(tpus)})", "give each slice once")
     if len(tpus) > 1 and head != "local":
         raise TpulaunchError(f"{len(tpus)} TPUs with the Ray head on worker 0 of {tpus[0]}: a preemption of that one"
-                             " slice would end the cluster of all of them", "add --head local (the head here, off the slices)")
+                             " slice would end the cluster of all of them",
+                             "add --head local (the head here, off the slices)")
     rec = load_record()
     if rec is not None and rec.emulated and rec.running_here:
         raise ClusterError(f"an emulated cluster is up at {rec.address}", "stop it first with `tpulaunch cluster down`")
@@ -118,10 +125,10 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
                            "stop it first with `tpulaunch cluster down`")
     local = None
     if head == "local":
-        same = rec is not None and rec.remote is not None and rec.remote.head_here and rec.running_here
-        if same:
-            local = LocalHead(ip=rec.remote.head_ip or "", temp_dir=rec.temp_dir, dashboard_port=rec.remote.dashboard_port or 0,
-                              python=rec.remote.head_python or sys.executable)
+        if rec is not None and rec.remote is not None and rec.remote.head_here and rec.running_here:
+            r = rec.remote
+            local = LocalHead(ip=r.head_ip or "", temp_dir=rec.temp_dir or "",  # (running_here: it has one)
+                              dashboard_port=r.dashboard_port or 0, python=r.head_python or sys.executable)
         else:
             ip = head_ip or route_ip(specs[0].workers[0].ip)
             local = LocalHead(ip=ip, temp_dir="", dashboard_port=free_port(), python=sys.executable)
@@ -149,7 +156,8 @@ def up_remote(out: Output, tpus: list[str], zone: str | None, project: str | Non
         out.line(f"cluster up at {info.address} on TPU {what}; {where}; token auth on; token in {info.token_path}")
 
 
-def _spare_slices(out: Output, like: SliceSpec, k: int, rec: ClusterInfo | None) -> tuple[list, list[str]]:  # noqa: F821
+def _spare_slices(out: Output, like: SliceSpec, k: int,
+                  rec: ClusterInfo | None) -> tuple[list[SliceSpec], list[str]]:
     """K slices of `like`'s shape made through queued resources (`<first>-spare-<i>`, the same tier and
     runtime), waited for until ACTIVE: (their specs, the queued resources made). Spares a record of
     this cluster already has are kept, not made again."""
@@ -160,7 +168,7 @@ def _spare_slices(out: Output, like: SliceSpec, k: int, rec: ClusterInfo | None)
 
     have = list(rec.spares) if rec is not None and rec.remote else []
     made = list(rec.remote.made) if rec is not None and rec.remote else []
-    specs = []
+    specs: list[SliceSpec] = []
     for i in range(k):
         name = f"{like.name}-spare-{i}"
         if name not in have:
@@ -178,13 +186,15 @@ def _spare_slices(out: Output, like: SliceSpec, k: int, rec: ClusterInfo | None)
 def register(cluster_app: typer.Typer) -> None:
     @cluster_app.command("join")
     def join(
-        port: int = typer.Option(RAY_PORT_DEFAULT, "--port", min=1, max=65535, help="The Ray head's GCS port on worker 0."),
+        port: int = typer.Option(RAY_PORT_DEFAULT, "--port", min=1, max=65535,
+                                 help="The Ray head's GCS port on worker 0."),
         timeout: float = typer.Option(300.0, "--timeout", metavar="S", help="Give up after S seconds without a head."),
         token_file: Path | None = typer.Option(None, "--token-file",
-                                                  help="The cluster's Ray auth token (default ~/.tpulaunch/ray_token)."),
+                                               help="The cluster's Ray auth token (default ~/.tpulaunch/ray_token)."),
         token_stdin: bool = typer.Option(False, "--token-stdin",
                                          help="Read the token from stdin and store it owner-only in --token-file."),
-        ray_temp_dir: str | None = typer.Option(None, "--ray-temp-dir", help="Ray's temp dir (default /tmp/tpl-<hash>)."),
+        ray_temp_dir: str | None = typer.Option(None, "--ray-temp-dir",
+                                                help="Ray's temp dir (default /tmp/tpl-<hash>)."),
         json_out: bool = opt.JSON,
     ) -> None:
         """On a TPU VM: start the Ray head (worker 0) or join it (other workers), from the metadata server.
@@ -201,7 +211,8 @@ def register(cluster_app: typer.Typer) -> None:
         local = discover.local_host()
         if local is None:
             raise DiscoveryError("this is not a TPU VM (no TPU devices, no TPU metadata)",
-                                 "run `tpulaunch cluster join` on the TPU VMs, or `cluster up --tpu NAME` from elsewhere")
+                                 "run `tpulaunch cluster join` on the TPU VMs, or `cluster up --tpu NAME` from"
+                                 " elsewhere")
         tok = token_file or Path.home() / ".tpulaunch" / "ray_token"
         if token_stdin:
             text = sys.stdin.read().strip()
@@ -256,5 +267,6 @@ def register(cluster_app: typer.Typer) -> None:
                 out.line("TPU is free")
         if not rep.clean and not doc.get("clean_after"):
             if not json_out:
-                out.error("the TPU is held" + ("" if kill_stale else "; `tpulaunch cluster doctor --kill-stale` clears it"))
+                out.error("the TPU is held"
+                          + ("" if kill_stale else "; `tpulaunch cluster doctor --kill-stale` clears it"))
             raise typer.Exit(ExitCode.CLUSTER)

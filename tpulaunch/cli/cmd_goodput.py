@@ -98,12 +98,13 @@ def _bars(events: list[dict], g: goodput.Goodput, width: int = 60) -> list[tuple
     resume = {r["attempt"]: r.get("resume_step") for r in g.attempts}
     hosts = sorted({e["host"] for e in events if isinstance(e.get("host"), int)})
     out = []
+
+    def paint(cells: list[str], a: float, b: float, ch: str) -> None:
+        for i in range(int((a - t0) / span * (width - 1)), int((b - t0) / span * (width - 1)) + 1):
+            cells[min(max(i, 0), width - 1)] = ch
+
     for h in hosts:
         cells = ["."] * width
-
-        def paint(a: float, b: float, ch: str) -> None:
-            for i in range(int((a - t0) / span * (width - 1)), int((b - t0) / span * (width - 1)) + 1):
-                cells[min(max(i, 0), width - 1)] = ch
 
         for a in sorted({e["attempt"] for e in events if e.get("host") == h and "attempt" in e}):
             mine = [e for e in events if e.get("host") == h and e.get("attempt") == a]
@@ -111,15 +112,15 @@ def _bars(events: list[dict], g: goodput.Goodput, width: int = 60) -> list[tuple
             steps = [(e["t"], e["step"]) for e in mine if e["kind"] == "step"]
             end = next((e["t"] for e in mine if e["kind"] == "host_end"), steps[-1][0] if steps else None)
             if start is not None and steps:
-                paint(start, steps[0][0], "s")
+                paint(cells, start, steps[0][0], "s")
             if steps and end is not None:
                 r = resume.get(a)
                 cut = next((t for t, s in steps if r is not None and s > r), end)
-                paint(steps[0][0], cut, "=")
+                paint(cells, steps[0][0], cut, "=")
                 if cut < end:
-                    paint(cut, end, "x")
+                    paint(cells, cut, end, "x")
             elif start is not None and end is not None:
-                paint(start, end, "~")
+                paint(cells, start, end, "~")
         out.append((f"host {h}", Text("".join(cells), style=host_color(h))))
     return out
 
@@ -167,7 +168,8 @@ def goodput_cmd(run: str = RUN, log_dir: str = LOG_DIR, address: str = ADDRESS, 
 
 
 @app.command("trace")
-def trace_cmd(run: str = RUN, output: Path = typer.Option(Path("trace.json"), "--output", "-o", help="Where to write it."),
+def trace_cmd(run: str = RUN,
+              output: Path = typer.Option(Path("trace.json"), "--output", "-o", help="Where to write it."),
               log_dir: str = LOG_DIR, address: str = ADDRESS) -> None:
     """The run's timeline as a Chrome trace (open it in ui.perfetto.dev or chrome://tracing): a track
     for the launcher and one per host, attempts and start-ups as spans, steps as a counter."""
@@ -179,4 +181,5 @@ def trace_cmd(run: str = RUN, output: Path = typer.Option(Path("trace.json"), "-
     tmp = output.with_name(output.name + f".tmp-{os.getpid()}-{int(time.time())}")
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, output)
-    out.info(f"wrote {output} ({len(doc['traceEvents'])} events, {len({e.get('tid') for e in doc['traceEvents']})} tracks)")
+    tracks = len({e.get("tid") for e in doc["traceEvents"]})
+    out.info(f"wrote {output} ({len(doc['traceEvents'])} events, {tracks} tracks)")

@@ -40,15 +40,16 @@ def inspect(
     """Draw the mesh as a grid of device ids colored by host, then the hosts.
 
     Works with no TPU and no network (unless --tpu asks the Cloud TPU API).
-    Examples: `tpulaunch mesh inspect v4-32`, `tpulaunch mesh inspect --topology 2x8 --shard 1024x4096 --spec data,model`.
+    Examples: `tpulaunch mesh inspect v4-32`,
+    `tpulaunch mesh inspect --topology 2x8 --shard 1024x4096 --spec data,model`.
     """
     out = Output(json_mode=json_out)
     topology, accelerator = split_spec(slice_spec, topology, accelerator)
     req = discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host,
                                 tpu=tpu, zone=zone, project=project, num_slices=num_slices, dcn=dcn)
     wanted = discover.request_num_slices(req)  # checked before anything is built per slice
-    from_dcn = num_slices is None and bool(dcn)
-    mesh_mod.check_slice_count(wanted, f"--dcn {dcn[:40]} ({wanted} slices)" if from_dcn else None)
+    asked = f"--dcn {dcn[:40]} ({wanted} slices)" if num_slices is None and dcn else None  # (else --num-slices)
+    mesh_mod.check_slice_count(wanted, asked)
     if tpu:
         with out.status("asking the Cloud TPU API ..."):
             resolved = discover.resolve(req)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import typer
 from rich.text import Text
@@ -16,6 +17,11 @@ from tpulaunch.cli.output import Output, host_color
 from tpulaunch.errors import LaunchError
 from tpulaunch.run import Outcome, RunSummary
 from tpulaunch.run.status import RunView
+
+if TYPE_CHECKING:
+    from tpulaunch.kube import KubeTarget
+    from tpulaunch.run.record.goodput import Goodput
+    from tpulaunch.run.runner import OnTheHead
 
 
 class TerminalSink(run.Sink):
@@ -75,7 +81,7 @@ def check_hosts(chosen: set[int] | None, hosts: int) -> None:
                           "name hosts of this slice, or --hosts all")
 
 
-def _goodput(summary: RunSummary):  # noqa: ANN202 - goodput.Goodput | None
+def _goodput(summary: RunSummary) -> Goodput | None:
     """The run's goodput from its timeline (None if it has none)."""
     from tpulaunch.run.paths import RunPaths
     from tpulaunch.run.record import goodput, timeline
@@ -101,7 +107,8 @@ def report(out: Output, summary: RunSummary, sink: TerminalSink | None = None) -
         return
     for a in summary.attempts[:-1]:
         out.info(f"attempt {a.index}: {a.outcome}: {a.who or 'no host failed'}; logs in {a.log_dir}")
-    ends = [(h, (h.reason or "did not start") + (" (stopped by tpulaunch)" if h.stopped_by_tpulaunch and not h.lost else ""))
+    ends = [(h, (h.reason or "did not start")
+             + (" (stopped by tpulaunch)" if h.stopped_by_tpulaunch and not h.lost else ""))
             for h in summary.hosts]
     if len(ends) > MANY_HOSTS:  # one line per way of ending, not 2,304 lines
         for line in grouped_results([(h.process_index, how, h.wall_s) for h, how in ends]):
@@ -143,7 +150,8 @@ def print_plan(out: Output, prep: run.Prepared, show_env: bool = False) -> None:
         out.json(doc)
         return
 
-    kind = ("EMULATED on this machine" if plan.local else "CPU devices standing in for the chips") if plan.emulated else "TPU"
+    kind = (("EMULATED on this machine" if plan.local else "CPU devices standing in for the chips") if plan.emulated
+            else "TPU")
     out.line(f"run {plan.run_id}: {plan.job.script or ' '.join(plan.job.command)} on {len(plan.hosts)} host(s), {kind}")
     out.line(f"framework: {plan.framework} ({prep.framework_reason})")
     out.line(f"coordinator: {plan.coordinator_address}")
@@ -173,7 +181,9 @@ def run_cmd(
     mesh: str | None = opt.MESH,
     dcn: str | None = opt.DCN,
     placement: str = opt.PLACEMENT,
-    framework: str = typer.Option("auto", "--framework", "-f", help="torch_xla, jax, torch_tpu (one process per device), none (boot no framework), or auto (from the script's imports)."),
+    framework: str = typer.Option("auto", "--framework", "-f",
+                                  help="torch_xla, jax, torch_tpu (one process per device), none (boot no framework),"
+                                       " or auto (from the script's imports)."),
     env: list[str] | None = opt.ENV,
     env_file: list[str] | None = opt.ENV_FILE,
     show_env: bool = opt.SHOW_ENV,
@@ -182,10 +192,13 @@ def run_cmd(
     ),
     no_dist: bool = typer.Option(False, "--no-dist", help="Do not start the torch.distributed (gloo) process group."),
     hosts: str | None = opt.HOSTS,
-    log_dir: str = typer.Option("runs", "--log-dir", help="Where <run-id>/attempt-<k>/host-<i>.log, ray.log and summary.json go."),
+    log_dir: str = typer.Option("runs", "--log-dir",
+                                help="Where <run-id>/attempt-<k>/host-<i>.log, ray.log and summary.json go."),
     workdir: str = typer.Option(".", "--workdir", help="Directory shipped to every host; the script runs there."),
-    schedule_timeout: float = typer.Option(120.0, "--schedule-timeout", help="Seconds to wait for Ray to give us the whole slice."),
-    max_upload_mb: float = typer.Option(100.0, "--max-upload-mb", help="Refuse to ship a working directory larger than this."),
+    schedule_timeout: float = typer.Option(120.0, "--schedule-timeout",
+                                           help="Seconds to wait for Ray to give us the whole slice."),
+    max_upload_mb: float = typer.Option(100.0, "--max-upload-mb",
+                                        help="Refuse to ship a working directory larger than this."),
     kill_stale: bool = opt.KILL_STALE,
     keep_children: bool = opt.KEEP_CHILDREN,
     no_preflight: bool = opt.NO_PREFLIGHT,
@@ -229,7 +242,8 @@ def run_cmd(
                                           " cluster on CPU nodes): CPU devices stand in for them, as on an emulated"
                                           " slice."),
     keep_cluster: bool = typer.Option(False, "--keep-cluster",
-                                      help="Leave the emulated cluster this run starts up; the next runs use it (warm)."),
+                                      help="Leave the emulated cluster this run starts up; the next runs use it"
+                                           " (warm)."),
     idle_timeout: float = typer.Option(1800.0, "--idle-timeout", metavar="SECONDS",
                                        help="With --keep-cluster: stop the cluster after this long unused."),
     detach: bool = typer.Option(False, "--detach",
@@ -265,7 +279,8 @@ def run_cmd(
         slices=discover.SliceRequest(topology=topology, accelerator=accelerator, chips_per_host=chips_per_host, tpu=tpu,
                                      queued_resource=queued_resource, zone=zone, project=project, num_slices=num_slices,
                                      dcn=dcn, force=force),
-        mesh=mesh, placement=placement, framework=framework, env=run.client_env(env, env_file), kill_stale=kill_stale, keep_children=keep_children, preflight=not no_preflight, straggler_ratio=straggler_ratio, address=address,
+        mesh=mesh, placement=placement, framework=framework, env=run.client_env(env, env_file), kill_stale=kill_stale,
+        keep_children=keep_children, preflight=not no_preflight, straggler_ratio=straggler_ratio, address=address,
         coordinator_port=coordinator_port,
         distributed=not no_dist, log_dir=log_dir, workdir=workdir, schedule_timeout=schedule_timeout,
         max_upload_mb=max_upload_mb, timeout=timeout, stall_timeout=stall_timeout, max_restarts=max_restarts,
@@ -287,7 +302,7 @@ def run_cmd(
                                  show_env=show_env))
 
 
-def _on_a_gke_cluster_of_its_own(out: Output, req: run.LaunchRequest, target, *, image: str | None,  # noqa: ANN001
+def _on_a_gke_cluster_of_its_own(out: Output, req: run.LaunchRequest, target: KubeTarget, *, image: str | None,
                                  spot: bool, hosts: str | None, dry_run: bool, detach: bool) -> int:
     """`run --gke`: bring a RayCluster up for this run, run there (followed here), delete it after
     (unless --keep-cluster). Ctrl-C stops the run and deletes the cluster."""
@@ -340,9 +355,9 @@ def run_request(out: Output, req: run.LaunchRequest, *, hosts: str | None, dry_r
     show = parse_hosts(hosts)
     where = runner.choose(req, detach=detach, dry_run=dry_run)
     cluster = where.target.cluster
-    on_slice = cluster is not None and cluster.remote is not None and not cluster.remote.head_here
-    if on_slice and req.max_preemptions and cluster is not None:
-        out.warn(f"the Ray head runs on worker 0 of TPU '{cluster.remote.tpu}': a preemption of that worker"
+    remote = cluster.remote if cluster is not None else None
+    if remote is not None and not remote.head_here and req.max_preemptions:  # the head on the slice
+        out.warn(f"the Ray head runs on worker 0 of TPU '{remote.tpu}': a preemption of that worker"
                  " ends the run whatever --max-preemptions allows; `tpulaunch cluster up --tpu NAME --head local`"
                  " puts the head off the slice")
     if isinstance(where, runner.OnTheHead):
@@ -417,7 +432,7 @@ def _notes(out: Output, prep: run.Prepared) -> None:
         out.info(f"framework: {plan.framework} ({prep.framework_reason})")
 
 
-def _on_the_head(out: Output, req: run.LaunchRequest, where, show: set[int] | None, *, follow: bool,  # noqa: ANN001
+def _on_the_head(out: Output, req: run.LaunchRequest, where: OnTheHead, show: set[int] | None, *, follow: bool,
                  attach_stop: bool) -> int:
     """Submit the run to the cluster's head (checked here first as far as this machine can), then
     return at once (--detach), or follow its output until it ends and exit with its code."""
@@ -458,21 +473,23 @@ def _on_the_head(out: Output, req: run.LaunchRequest, where, show: set[int] | No
 
 
 @app.command("supervise", hidden=True)
-def supervise_cmd(request: str = typer.Option(..., "--request", help="Where the run's request is stored (gcs://...).")) -> None:
+def supervise_cmd(request: str = typer.Option(..., "--request",
+                                              help="Where the run's request is stored (gcs://...).")) -> None:
     """The supervisor of a detached run (what `run --detach` submits as a Ray job on the head)."""
     from tpulaunch.run import detached, runner
     from tpulaunch.run.paths import RunPaths
 
     out = Output()
     req = detached.take_request(request)
-    made: list[detached.StatusFile] = []
+    made: list[tuple[TerminalSink, detached.StatusFile]] = []
 
     def sink_for(prep: run.Prepared) -> detached.StatusFile:
         _notes(out, prep)
-        made.append(detached.StatusFile(TerminalSink(out, None, len(prep.plan.hosts)),
-                                        RunPaths.of(prep.plan.job.log_dir).status, req.script or " ".join(req.command)))
-        return made[0]
+        terminal = TerminalSink(out, None, len(prep.plan.hosts))
+        made.append((terminal, detached.StatusFile(terminal, RunPaths.of(prep.plan.job.log_dir).status,
+                                                   req.script or " ".join(req.command))))
+        return made[0][1]
 
     summary = runner.supervise(req, sink_for)
-    report(out, summary, made[0].inner if made else None)
+    report(out, summary, made[0][0] if made else None)
     raise typer.Exit(summary.exit_code)

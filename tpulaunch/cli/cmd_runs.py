@@ -7,6 +7,7 @@ Each asks the cluster's head (its job and log APIs, with the cluster's token): `
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import typer
 from rich.live import Live
@@ -16,6 +17,11 @@ from tpulaunch.cli import app
 from tpulaunch.cli import options as opt
 from tpulaunch.cli.output import Output
 from tpulaunch.errors import ClusterError, ExitCode, TpulaunchError
+
+if TYPE_CHECKING:
+    from tpulaunch.cluster.jobs import JobApi, JobInfo
+    from tpulaunch.cluster.record import ClusterInfo
+    from tpulaunch.run.detached import RunRecord
 
 ADDRESS = typer.Option("auto", "--address", help="The cluster: auto (recorded here), HOST:PORT, or http://DASHBOARD.")
 def _run_id(value: str) -> str:
@@ -28,7 +34,7 @@ def _run_id(value: str) -> str:
 RUN = typer.Argument(..., metavar="RUN", help="A run id, or `last`.", callback=_run_id)
 
 
-def _api(address: str):  # noqa: ANN202 - (JobApi, ClusterInfo)
+def _api(address: str) -> tuple[JobApi, ClusterInfo]:
     from tpulaunch.client import _cluster
     from tpulaunch.run import detached
 
@@ -36,7 +42,7 @@ def _api(address: str):  # noqa: ANN202 - (JobApi, ClusterInfo)
     return detached.job_api(info), info
 
 
-def _duration(rec) -> str:  # noqa: ANN001 - RunRecord
+def _duration(rec: RunRecord) -> str:
     j = rec.job
     if not j.start_time:
         return "-"
@@ -46,12 +52,12 @@ def _duration(rec) -> str:  # noqa: ANN001 - RunRecord
 ROW_KEYS = ("run_id", "script", "state", "attempt", "exit_code", "started", "ended", "duration_s", "message")
 
 
-def _run_row(rec) -> dict:  # noqa: ANN001 - RunRecord
+def _run_row(rec: RunRecord) -> dict:
     doc = _status_doc(rec)
     return {k: doc[k] for k in ROW_KEYS}
 
 
-def _status_doc(rec) -> dict:  # noqa: ANN001 - RunRecord
+def _status_doc(rec: RunRecord) -> dict:
     from tpulaunch.client import RunStatus
 
     return RunStatus.of(rec).to_dict()
@@ -164,7 +170,7 @@ def status_cmd(run: str = RUN, address: str = ADDRESS,
         doc = _status_doc(detached.record(api, api.info(job.submission_id) or job))
 
 
-def _goodput_line(api, job) -> str | None:  # noqa: ANN001
+def _goodput_line(api: JobApi, job: JobInfo) -> str | None:
     """Goodput so far of a detached run, from its timeline on the head."""
     from tpulaunch.run import detached
     from tpulaunch.run.record import goodput, timeline
@@ -172,7 +178,8 @@ def _goodput_line(api, job) -> str | None:  # noqa: ANN001
     if not job.driver_node_id:
         return None
     try:
-        events = timeline.parse(api.read_file(job.driver_node_id, str(detached.run_paths(job.submission_id).events)) or "")
+        path = str(detached.run_paths(job.submission_id).events)
+        events = timeline.parse(api.read_file(job.driver_node_id, path) or "")
     except TpulaunchError:
         return None
     return goodput.analyze(events).line() if events else None
@@ -232,7 +239,8 @@ def stop_cmd(run: str = RUN, address: str = ADDRESS, json_out: bool = opt.JSON) 
 
 @app.command("wait")
 def wait_cmd(run: str = RUN, address: str = ADDRESS,
-             timeout: float | None = typer.Option(None, "--timeout", metavar="S", help="Give up after S seconds (exit 124)."),
+             timeout: float | None = typer.Option(None, "--timeout", metavar="S",
+                                                  help="Give up after S seconds (exit 124)."),
              json_out: bool = opt.JSON) -> None:
     """Block until the run ends, then exit with its exit code (the README's table)."""
     import math
@@ -258,10 +266,13 @@ def wait_cmd(run: str = RUN, address: str = ADDRESS,
 @app.command("stacks")
 def stacks_cmd(run: str = typer.Argument("last", metavar="RUN", help="A run id, or `last` (the run going on)."),
                address: str | None = typer.Option(
-                   None, "--address", help="The run's cluster (default: the one the run's directory names, else auto)."),
-               log_dir: str = typer.Option("runs", "--log-dir", help="Where this machine's runs write their directories."),
+                   None, "--address",
+                   help="The run's cluster (default: the one the run's directory names, else auto)."),
+               log_dir: str = typer.Option("runs", "--log-dir",
+                                           help="Where this machine's runs write their directories."),
                direct: bool = typer.Option(False, "--direct", hidden=True,
-                                           help="Connect to Ray from here (what the head's copy of this command does)."),
+                                           help="Connect to Ray from here (what the head's copy of this command"
+                                                " does)."),
                json_out: bool = opt.JSON) -> None:
     """Where every host of a running run is (py-spy dump), without stopping it; full dumps under
     the run's attempt directory."""
@@ -281,7 +292,8 @@ def stacks_cmd(run: str = typer.Argument("last", metavar="RUN", help="A run id, 
             disconnect()
     else:  # the run's files, and its Ray, are on the head: ask there
         # There, Ray's job manager gives the job the cluster's address (RAY_ADDRESS) and token.
-        code, text = detached.run_tool(detached.job_api(cluster), ["stacks", run, "--json", "--direct", "--address", "auto"],
+        code, text = detached.run_tool(detached.job_api(cluster),
+                                       ["stacks", run, "--json", "--direct", "--address", "auto"],
                                        python=head_python(cluster))
         start = 0 if text.startswith("{") else text.find("\n{") + 1
         if code != 0 or not start and not text.startswith("{"):
@@ -299,7 +311,7 @@ def stacks_cmd(run: str = typer.Argument("last", metavar="RUN", help="A run id, 
     out.info(f"full dumps in {doc['dir']}")
 
 
-def _cluster_of_run(run: str, address: str | None, log_dir: str):  # noqa: ANN202 - ClusterInfo
+def _cluster_of_run(run: str, address: str | None, log_dir: str) -> ClusterInfo:
     """The cluster a run is on: --address; else the one its directory here names (a foreground
     run on a cluster of its own); else `auto` (the cluster recorded here)."""
     from pathlib import Path
@@ -320,4 +332,6 @@ def _cluster_of_run(run: str, address: str | None, log_dir: str):  # noqa: ANN20
             info = load_record(p)
             if info is not None and (info.running_here or not info.emulated):
                 return info
-    return resolve_address("auto")
+    auto = resolve_address("auto")
+    assert auto is not None  # `auto` finds a cluster or raises
+    return auto

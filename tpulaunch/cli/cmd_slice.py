@@ -36,7 +36,8 @@ app.add_typer(slice_app, name="slice")
 
 TIMEOUT_OPT = typer.Option(
     None, "--timeout", metavar="S",
-    help="Seconds to wait for the Cloud TPU API (default 10, TPULAUNCH_API_TIMEOUT) or for each metadata request (default 2).",
+    help="Seconds to wait for the Cloud TPU API (default 10, TPULAUNCH_API_TIMEOUT) or for each metadata request"
+         " (default 2).",
 )
 
 
@@ -56,7 +57,8 @@ def describe_cmd(
     ),
     json_out: bool = opt.JSON,
     timeout: float | None = TIMEOUT_OPT,
-    force: bool = typer.Option(False, "--force", help="Exit 0 even if the slice is not READY/HEALTHY (warn instead of exit 4)."),
+    force: bool = typer.Option(False, "--force",
+                               help="Exit 0 even if the slice is not READY/HEALTHY (warn instead of exit 4)."),
     gke: bool = opt.GKE,
     kubeconfig: str | None = opt.KUBECONFIG,
     context: str | None = opt.CONTEXT,
@@ -88,7 +90,8 @@ def describe_cmd(
             specs = [discover.describe_node(name, zone=zone, project=project, timeout=timeout)]
     else:
         if zone or project:
-            raise TpulaunchError("--zone/--project need a node NAME or --queued-resource", "tpulaunch slice describe NAME --zone ZONE")
+            raise TpulaunchError("--zone/--project need a node NAME or --queued-resource",
+                                 "tpulaunch slice describe NAME --zone ZONE")
         local = discover.local_host(timeout)
         if local is None:
             raise TpulaunchError(
@@ -120,7 +123,8 @@ def describe_cmd(
     else:
         lines: list[str] = []
         if queued_resource:
-            lines += [f"queued_resource: {doc['queued_resource']}", f"queued_resource_state: {doc['queued_resource_state']}"]
+            lines += [f"queued_resource: {doc['queued_resource']}",
+                      f"queued_resource_state: {doc['queued_resource_state']}"]
         for d in docs:
             if queued_resource:
                 lines.append("")
@@ -175,7 +179,7 @@ def list_cmd(
         d["ready"] = not discover.readiness_problems(s)
         rows.append(d)
     qrs: list[dict] = []
-    if z and z != "-":
+    if p and z and z != "-":  # (list_nodes has refused a missing project)
         from tpulaunch.provision import capacity
 
         try:
@@ -217,17 +221,21 @@ def _cell(d: dict, col: str) -> str:
 
 @slice_app.command("create")
 def create_cmd(
-    name: str = typer.Argument(..., help="The slice's name: its queued resource and node (nodes NAME-0.. with --num-slices)."),
-    accelerator: str | None = typer.Option(None, "--accelerator", help="v5p-64, or a generation with --topology (v5p)."),
+    name: str = typer.Argument(..., help="The slice's name: its queued resource and node (nodes NAME-0.. with"
+                                         " --num-slices)."),
+    accelerator: str | None = typer.Option(None, "--accelerator",
+                                           help="v5p-64, or a generation with --topology (v5p)."),
     topology: str | None = typer.Option(None, "--topology", help="Chip shape, e.g. 4x4x4 (with --accelerator GEN)."),
-    num_slices: int = typer.Option(1, "--num-slices", help="Slices of a multislice (one queued resource, nodes NAME-i)."),
+    num_slices: int = typer.Option(1, "--num-slices",
+                                   help="Slices of a multislice (one queued resource, nodes NAME-i)."),
     spot: bool = typer.Option(False, "--spot", help="Spot capacity: cheaper, preemptible at any time."),
     reserved: bool = typer.Option(False, "--reserved", help="From the project's reservation."),
     guaranteed: bool = typer.Option(False, "--guaranteed", help="Guaranteed (on-demand) capacity through the queue."),
     flex_start: bool = typer.Option(False, "--flex-start", help="Flex-start (Preview; see --max-run-duration)."),
     max_run_duration: str | None = typer.Option(None, "--max-run-duration", help="With --flex-start, e.g. 24h."),
     runtime_version: str | None = typer.Option(None, "--runtime-version",
-                                                  help="TPU VM software version (default: the one Google documents for the generation)."),
+                                               help="TPU VM software version (default: the one Google documents for"
+                                                    " the generation)."),
     network: str | None = typer.Option(None, "--network"),
     subnetwork: str | None = typer.Option(None, "--subnetwork"),
     internal_ips: bool = typer.Option(False, "--internal-ips",
@@ -250,10 +258,11 @@ def create_cmd(
     from tpulaunch.provision import capacity
 
     if not math.isfinite(wait_timeout) or wait_timeout <= 0:
-        raise LaunchError(f"--wait-timeout {wait_timeout:g} is not a positive number of seconds", "e.g. --wait-timeout 3600")
+        raise LaunchError(f"--wait-timeout {wait_timeout:g} is not a positive number of seconds",
+                          "e.g. --wait-timeout 3600")
     out = Output(json_mode=json_out)
-    tiers = [t for t, on in (("spot", spot), ("reserved", reserved), ("guaranteed", guaranteed), ("flex-start", flex_start))
-             if on]
+    tiers = [t for t, on in (("spot", spot), ("reserved", reserved), ("guaranteed", guaranteed),
+                             ("flex-start", flex_start)) if on]
     if len(tiers) > 1:
         raise TpulaunchError(f"--{' and --'.join(tiers)}: a slice has one tier", "choose one")
     if flex_start or max_run_duration:
@@ -267,8 +276,8 @@ def create_cmd(
     p, z, _prov = discover.require_project_zone(project, zone, f"slice {name}")
     order = capacity.check_order(capacity.SliceOrder(
         name=name, project=p, zone=z, accelerator_type=accelerator, topology=topology, num_slices=num_slices,
-        tier=tiers[0] if tiers else "on-demand", runtime_version=runtime_version, network=network, subnetwork=subnetwork,
-        internal_ips=internal_ips))
+        tier=tiers[0] if tiers else "on-demand", runtime_version=runtime_version, network=network,
+        subnetwork=subnetwork, internal_ips=internal_ips))
     with out.status(f"asking the Cloud TPU API for {order.accelerator_type} x {order.num_slices} ({order.tier}) ..."):
         st = capacity.create(order, timeout=timeout)
     out.info(f"queued resource {name} accepted ({st.state}) in {z}: node(s) {', '.join(order.node_names())}")

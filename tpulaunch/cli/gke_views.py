@@ -6,10 +6,15 @@ renders (a rich table on a terminal, aligned plain lines in a pipe, `--json`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tpulaunch import kube
 from tpulaunch.cli.output import Output
 from tpulaunch.cli.slice_views import print_table
 from tpulaunch.errors import DiscoveryError
+
+if TYPE_CHECKING:
+    from tpulaunch.cluster.record import ClusterInfo
 
 POOL_COLS = ("pool", "generation", "topology", "hosts", "chips_per_node", "machine_type", "spot", "zone",
              "maintenance", "state")
@@ -38,7 +43,8 @@ def pools_doc(target: kube.KubeTarget) -> dict:
 
     k = kube.connect(target)
     pools = discover_gke.list_pools(k)
-    return {"schema": "tpulaunch.slice-list/v1", "source": "gke", "api": k.where, "node_pools": [p.to_dict() for p in pools]}
+    return {"schema": "tpulaunch.slice-list/v1", "source": "gke", "api": k.where,
+            "node_pools": [p.to_dict() for p in pools]}
 
 
 def list_pools(out: Output, target: kube.KubeTarget, json_out: bool) -> None:
@@ -85,8 +91,9 @@ def describe_pool(out: Output, target: kube.KubeTarget, pool: str, json_out: boo
         raise typer.Exit(ExitCode.NOT_READY)
 
 
-def reach_lines(info) -> list[str]:  # noqa: ANN001 - a ClusterInfo on GKE
+def reach_lines(info: ClusterInfo) -> list[str]:
     g = info.gke
+    assert g is not None  # a cluster on GKE
     svc = f"{g.head_service}.{g.namespace}.svc.cluster.local"
     return [f"reach it from here: `tpulaunch run SCRIPT --address auto` (the job API through a port-forward the"
             f" Kubernetes API opens); from inside the cluster: http://{svc}:8265",

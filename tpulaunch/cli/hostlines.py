@@ -69,7 +69,7 @@ def ranges(indices: list[int]) -> str:
     """`0-3,7,9-12`: sorted indices as runs."""
     out, ids = [], sorted(indices)
     start = prev = ids[0] if ids else 0
-    for i in ids[1:] + [None]:  # type: ignore[list-item]
+    for i in [*ids[1:], None]:
         if i is not None and i == prev + 1:
             prev = i
             continue
@@ -89,6 +89,7 @@ def grouped_results(results: list[tuple[int, str, float]]) -> list[str]:
     for how, members in sorted(groups.items(), key=lambda kv: min(p for p, _ in kv[1])):
         walls = [w for _, w in members]
         span = f"{min(walls):.1f} s" if max(walls) - min(walls) < 0.05 else f"{min(walls):.1f}-{max(walls):.1f} s"
-        who = f"host {members[0][0]}" if len(members) == 1 else f"hosts {ranges([p for p, _ in members])} ({len(members)})"
+        who = (f"host {members[0][0]}" if len(members) == 1
+               else f"hosts {ranges([p for p, _ in members])} ({len(members)})")
         lines.append(f"{who}: {how} in {span}")
     return lines

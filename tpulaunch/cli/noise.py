@@ -37,4 +37,5 @@ class NoiseFold:
         if not folded:
             return None
         parts = ", ".join(f"{name} x {n}" for name, n in folded.items())
-        return f"folded {sum(folded.values())} repeated line(s) of known runtime noise ({parts}); every line is in the host logs"
+        return (f"folded {sum(folded.values())} repeated line(s) of known runtime noise ({parts}); every line is in"
+                " the host logs")

@@ -51,9 +51,11 @@ KILL_STALE = typer.Option(
 TIMEOUT = typer.Option(None, "--timeout", metavar="SECONDS",
                        help="Wall clock for the whole run; then every host's stacks are dumped and it ends (exit 124).")
 STALL_TIMEOUT = typer.Option(None, "--stall-timeout", metavar="SECONDS",
-                             help="No output (or tpulaunch.heartbeat()) from any host for this long: dump stacks, exit 124.")
+                             help="No output (or tpulaunch.heartbeat()) from any host for this long: dump stacks,"
+                                  " exit 124.")
 MAX_RESTARTS = typer.Option(0, "--max-restarts", help="Relaunch the whole slice this many times after a host fails.")
-MAX_PREEMPTIONS = typer.Option(0, "--max-preemptions", help="Relaunch this many times after a host is lost or preempted.")
+MAX_PREEMPTIONS = typer.Option(0, "--max-preemptions",
+                               help="Relaunch this many times after a host is lost or preempted.")
 PREEMPTION_WAIT = typer.Option(600.0, "--preemption-wait", metavar="SECONDS",
                                help="How long to wait for the slice to be whole again after a lost host.")
 PREEMPTION_GRACE = typer.Option(30.0, "--preemption-grace", metavar="SECONDS",
@@ -71,7 +73,8 @@ STRAGGLER_RATIO = typer.Option(
     0.7, "--straggler-ratio", metavar="R",
     help="Name a host whose step rate (tpulaunch.heartbeat(step=N)) falls below R x the median host's; 0: never.")
 NO_PREFLIGHT = typer.Option(False, "--no-preflight",
-                            help="Skip the checks of every host (versions, ports, chips, ids) before the scripts start.")
+                            help="Skip the checks of every host (versions, ports, chips, ids) before the scripts"
+                                 " start.")
 DRY_RUN = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, env, mesh) and start nothing.")
 
 # -- GKE (the Kubernetes API, configured as kubectl is) -------------------------------------------

@@ -103,7 +103,8 @@ def _param(p: Any) -> ParamDoc:
     else:
         shown = str(default)
     return ParamDoc(kind=p.param_type_name, names=names, secondary=tuple(p.secondary_opts),
-                    metavar="" if is_flag else _metavar(p), default=shown, help=(getattr(p, "help", None) or "").strip(),
+                    metavar="" if is_flag else _metavar(p), default=shown,
+                    help=(getattr(p, "help", None) or "").strip(),
                     required=bool(p.required), repeatable=bool(getattr(p, "multiple", False)) or p.nargs == -1,
                     hidden=bool(getattr(p, "hidden", False)))
 
@@ -215,7 +216,8 @@ def _param_body(p: ParamDoc) -> list[str]:
     if p.required:
         facts.append("Required.")
     if p.default:
-        facts.append(f"Default: ``{p.default}``." if p.default.strip() == p.default else f"Default: {rst_text(repr(p.default))}.")
+        facts.append(f"Default: ``{p.default}``." if p.default.strip() == p.default
+                     else f"Default: {rst_text(repr(p.default))}.")
     if p.repeatable:
         facts.append("Repeatable." if p.kind == "option" else "Takes any number of values.")
     if p.hidden:
@@ -255,5 +257,6 @@ def exit_codes_rst(codes: list[ExitCodeDoc] | None = None) -> str:
     lines = [".. list-table::", "   :header-rows: 1", "   :widths: 8 22 70", "",
              "   * - code", "     - ``ExitCode``", "     - meaning (the comment in ``tpulaunch/errors.py``)"]
     for c in codes:
-        lines += [f"   * - {c.code}", f"     - ``{c.name}``", f"     - {rst_text(c.comment) if c.comment else '(none)'}"]
+        lines += [f"   * - {c.code}", f"     - ``{c.name}``",
+                  f"     - {rst_text(c.comment) if c.comment else '(none)'}"]
     return "\n".join(lines) + "\n"

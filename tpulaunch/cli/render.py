@@ -43,7 +43,8 @@ def topology_lines(t: Topology) -> list[str]:
         f"TPU_CHIPS_PER_HOST_BOUNDS: {t.bounds_str(t.chips_per_host_bounds)}",
     ]
     for h in t.hosts[:MAX_ROWS]:
-        lines.append(f"host {h.worker_id}: grid {','.join(map(str, h.grid[:g.torus_dims]))} chips {_coords(h.chips, g.torus_dims)}")
+        lines.append(f"host {h.worker_id}: grid {','.join(map(str, h.grid[:g.torus_dims]))}"
+                     f" chips {_coords(h.chips, g.torus_dims)}")
     if t.num_hosts > MAX_ROWS:
         lines.append(f"... {t.num_hosts - MAX_ROWS} more hosts (use --json for all)")
     lines += [f"note: {n}" for n in t.notes]
@@ -100,13 +101,13 @@ def _grid_rows(plan: MeshPlan) -> tuple[list[str], list[list[int]]]:
             rem, i = divmod(rem, n)
             idx.append(i)
         idx.reverse()
-        labels.append(",".join(f"{a}={i}" for a, i in zip(plan.axis_names[:-1], idx)) or "-")
+        labels.append(",".join(f"{a}={i}" for a, i in zip(plan.axis_names[:-1], idx, strict=True)) or "-")
         rows.append(flat[r * cols:(r + 1) * cols])
     return labels, rows
 
 
 def mesh_header(plan: MeshPlan) -> str:
-    axes = ", ".join(f"{a}={n}" for a, n in zip(plan.axis_names, plan.shape))
+    axes = ", ".join(f"{a}={n}" for a, n in zip(plan.axis_names, plan.shape, strict=True))
     dcn = ""
     if plan.num_slices > 1:
         dcn = "  (ICI " + "x".join(map(str, plan.ici_shape)) + " x DCN " + "x".join(map(str, plan.dcn_shape)) + ")"
@@ -159,7 +160,7 @@ def mesh_rich(plan: MeshPlan) -> Group:
     grid.add_column(", ".join(plan.axis_names[:-1]) or "", style="bold")
     for c in range(plan.shape[-1]):
         grid.add_column(f"{last}={c}", justify="right")
-    for label, row in list(zip(labels, rows))[:MAX_ROWS]:
+    for label, row in list(zip(labels, rows, strict=True))[:MAX_ROWS]:
         grid.add_row(label, *[Text(str(d), style=host_color(proc_of[d])) for d in row])
     parts: list = [grid]
     if len(rows) > MAX_ROWS:
@@ -192,7 +193,7 @@ def hosts_table(plan: MeshPlan) -> Table:
 def mesh_lines(plan: MeshPlan) -> list[str]:
     labels, rows = _grid_rows(plan)
     out = [mesh_header(plan)]
-    for label, row in zip(labels[:MAX_ROWS], rows[:MAX_ROWS]):
+    for label, row in zip(labels[:MAX_ROWS], rows[:MAX_ROWS], strict=True):
         if len(plan.shape) == 1:
             label = plan.axis_names[0]  # 1D: one row, the whole axis (not "-")
         out.append(f"{label}: " + " ".join(str(d) for d in row))
@@ -218,7 +219,8 @@ def sharding_lines(s: ShardingPlan) -> list[str]:
     spec = ",".join("+".join(e) if isinstance(e, tuple) else str(e) for e in s.spec)
     out = [
         f"tensor {shape} spec ({spec})",
-        f"shard shape: {'x'.join(map(str, s.shard_shape))} ({math.prod(s.tile_shape)} shards, {s.replicate} replica(s) each)",
+        f"shard shape: {'x'.join(map(str, s.shard_shape))} ({math.prod(s.tile_shape)} shards,"
+        f" {s.replicate} replica(s) each)",
         f"hlo sharding: {s.hlo}",
     ]
     for ranges, devs in s.blocks()[:MAX_ROWS]:

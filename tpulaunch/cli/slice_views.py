@@ -32,10 +32,12 @@ def slice_doc(spec: SliceSpec, *, this_worker: int | None = None) -> dict:
         doc.update(
             generation=topo.generation.name, chips=topo.chips, devices=topo.devices, hosts=topo.num_hosts,
             chips_per_host=topo.chips_per_host, devices_per_host=topo.devices_per_host,
-            host_bounds=topo.bounds_str(topo.host_bounds), chips_per_host_bounds=topo.bounds_str(topo.chips_per_host_bounds),
+            host_bounds=topo.bounds_str(topo.host_bounds),
+            chips_per_host_bounds=topo.bounds_str(topo.chips_per_host_bounds),
         )
         if spec.workers and len(spec.workers) != topo.num_hosts:
-            notes.append(f"{len(spec.workers)} worker endpoints reported, but a {topo.topology} slice has {topo.num_hosts} hosts")
+            notes.append(f"{len(spec.workers)} worker endpoints reported, but a {topo.topology} slice has"
+                         f" {topo.num_hosts} hosts")
     if this_worker is not None:
         doc["this_worker"] = this_worker
     doc["notes"] = notes
@@ -127,7 +129,7 @@ def describe_lines(d: dict) -> list[str]:
 
 
 def _mesh_summary(mesh: dict) -> str:
-    axes = ", ".join(f"{a}={n}" for a, n in zip(mesh.get("axis_names", []), mesh.get("shape", [])))
+    axes = ", ".join(f"{a}={n}" for a, n in zip(mesh.get("axis_names", []), mesh.get("shape", []), strict=True))
     extra = f", DCN {'x'.join(map(str, mesh['dcn_shape']))}" if mesh.get("num_slices", 1) > 1 else ""
     return f"{axes} ({mesh.get('num_devices')} devices, {mesh.get('num_processes')} processes{extra})"
 
@@ -169,10 +171,10 @@ def print_table(out: Output, title: str, header: list[str], table: list[list[str
         t = Table(title=title, title_justify="left")
         for h in header:
             t.add_column(h, no_wrap=True)
-        for is_bad, r in zip(bad, table):
+        for is_bad, r in zip(bad, table, strict=True):
             t.add_row(*r, style="red" if is_bad else "")
         out.result(t)
         return
-    widths = [max(len(x) for x in col) for col in zip(header, *table)]
+    widths = [max(len(x) for x in col) for col in zip(header, *table, strict=True)]
     for r in [header, *table]:
-        out.line("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
+        out.line("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip())

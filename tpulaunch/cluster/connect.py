@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import signal
 import socket
@@ -50,7 +51,8 @@ def resolve_address(address: str | None) -> ClusterInfo | None:
     flag or the variable it came from.
     """
     if address is not None and not address.strip():
-        raise TpulaunchError("--address is empty", "give auto, HOST:PORT or ray://HOST:PORT, or leave it out to emulate")
+        raise TpulaunchError("--address is empty",
+                             "give auto, HOST:PORT or ray://HOST:PORT, or leave it out to emulate")
     env_address = os.environ.get("RAY_ADDRESS", "").strip() or None
     if address is None:
         if env_address is None:
@@ -93,7 +95,8 @@ def on_gke_head(info: ClusterInfo) -> ClusterInfo:
         doc = json.loads(raw)
         info.gke = GkeSpec(str(doc["name"]), str(doc["namespace"]), owned=False, group=str(doc.get("group", "tpu")))
     except (ValueError, KeyError, TypeError):
-        raise TpulaunchError(f"{GKE_ENV} is not a cluster ({raw[:80]!r})", "unset it; `tpulaunch run --detach` sets it") from None
+        raise TpulaunchError(f"{GKE_ENV} is not a cluster ({raw[:80]!r})",
+                             "unset it; `tpulaunch run --detach` sets it") from None
     return info
 
 
@@ -102,7 +105,8 @@ LOCAL_RAY_ROOT = Path("/tmp")  # where `cluster join` keeps a VM's Ray temp dir 
 
 def _local_ray_address() -> ClusterInfo | None:
     """On a TPU VM where Ray runs (e.g. after `tpulaunch cluster join`): the address Ray wrote."""
-    candidates = sorted(LOCAL_RAY_ROOT.glob("tpl-*/ray_current_cluster"))  # tpulaunch's (`cluster join`), not a plain `ray start`
+    # tpulaunch's (`cluster join`), not a plain `ray start`
+    candidates = sorted(LOCAL_RAY_ROOT.glob("tpl-*/ray_current_cluster"))
     # Emulated clusters (they keep their token inside their temp dir) belong to whoever started them.
     live = [p for p in candidates
             if p.exists() and p.stat().st_uid == os.getuid()  # another user's Ray is not ours to pick
@@ -135,7 +139,8 @@ def probe(address: str, timeout: float) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except ValueError:
-        raise TpulaunchError(f"'{address}' is not HOST:PORT", "write it as 10.0.0.2:6379, ray://HOST:PORT or auto") from None
+        raise TpulaunchError(f"'{address}' is not HOST:PORT",
+                             "write it as 10.0.0.2:6379, ray://HOST:PORT or auto") from None
     except OSError as e:
         if isinstance(e, (socket.timeout, TimeoutError)):
             why = f"no answer within {timeout:g} s"
@@ -184,10 +189,10 @@ def connect(info: ClusterInfo, runtime_env: dict | None = None, timeout: float |
 
     def init() -> None:
         try:
-            ray.init(address=info.address, logging_level="ERROR", log_to_driver=False,
+            ray.init(address=info.address, logging_level=logging.ERROR, log_to_driver=False,
                      configure_logging=True, runtime_env=runtime_env)
             outcome["error"] = None
-        except BaseException as e:  # noqa: BLE001 - Ray raises many types for "cannot connect"
+        except BaseException as e:  # Ray raises many types for "cannot connect"
             outcome["error"] = e
 
     t = threading.Thread(target=init, name="tpulaunch-ray-init", daemon=True)
@@ -281,7 +286,7 @@ def logs_dir() -> str:
     detached run's supervisor, on the head, keeps the run's files for Ray's log API to serve."""
     import ray._private.worker as worker
 
-    node = worker._global_node  # noqa: SLF001 - Ray has no public accessor for the session's log dir
+    node = worker._global_node  # Ray has no public accessor for the session's log dir
     if node is None:
         raise ClusterError("internal: not connected to Ray", "report this bug")
     return node.get_logs_dir_path()
@@ -334,7 +339,7 @@ def ray_output_to(path: Path, enabled: bool) -> Iterator[None]:
     finally:
         ray_worker = sys.modules.get("ray._private.worker")
         if ray_worker is not None and _RELAY.get("original") is not None:
-            ray_worker.print_to_stdstream = _RELAY["original"]
+            ray_worker.print_to_stdstream = _RELAY["original"]  # type: ignore[attr-defined]  # Ray's, if imported
         _RELAY.clear()
         sys.stderr.flush()
         sys.stderr = old
@@ -348,7 +353,7 @@ _RELAY: dict = {}
 
 def _fileno(stream: object) -> int | None:
     try:
-        return stream.fileno()  # type: ignore[attr-defined]
+        return stream.fileno()  # type: ignore[attr-defined]  # any stream, or None: AttributeError
     except (AttributeError, OSError, ValueError):
         return None
 
@@ -367,4 +372,4 @@ def _relay_to_file() -> None:
         for line in data.get("lines", []):
             log.write(f"({data.get('pid', 'ray')}) {line}\n".encode("utf-8", "replace"))
 
-    ray_worker.print_to_stdstream = to_file
+    ray_worker.print_to_stdstream = to_file  # type: ignore[attr-defined]  # Ray's module, from sys.modules

@@ -234,7 +234,8 @@ def check_capacity(hosts: int) -> None:
     if hosts > limit:
         raise LaunchError(f"emulating {hosts} hosts needs {hosts} Ray nodes on this machine, which holds about {limit}"
                           f" ({NODE_MEMORY_BYTES // 2**20} MiB each)",
-                          "emulate fewer or smaller slices (--num-slices, --topology), or run on a real cluster (--address)")
+                          "emulate fewer or smaller slices (--num-slices, --topology), or run on a real cluster"
+                          " (--address)")
 
 
 RAY_SUBDIR = "ray"
@@ -363,7 +364,8 @@ def stop_owned(cluster_id: str, temp_dir: str | None, grace_s: float = 1.0) -> i
     # command line is empty; its name keeps Ray's title)
     ours = procfs.child_pids(os.getpid()) or []
     procfs.reap([c for c in ours if procfs.Process(c).state() == "Z"
-                 and (procfs.Process(c).name().startswith("ray::") or procfs.Process(c).name() in ("raylet", "gcs_server"))])
+                 and (procfs.Process(c).name().startswith("ray::")
+                      or procfs.Process(c).name() in ("raylet", "gcs_server"))])
     if verified:
         shutil.rmtree(verified, ignore_errors=True)
     return len(pids)

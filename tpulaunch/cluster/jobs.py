@@ -13,11 +13,13 @@ unknown run are each one line (`ClusterError`, exit 5), never a traceback.
 
 from __future__ import annotations
 
+import builtins
 import json
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from typing import overload
 
 from tpulaunch.errors import ClusterError
 
@@ -60,8 +62,11 @@ def _info(d: dict) -> JobInfo:
     def text(v: object) -> str:
         return v if isinstance(v, str) else ""
 
-    def opt(v: object, kind: type) -> object:
-        return v if isinstance(v, kind) and not isinstance(v, bool) else None
+    def opt_int(v: object) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    def opt_str(v: object) -> str | None:
+        return v if isinstance(v, str) else None
 
     meta = d.get("metadata")
     return JobInfo(
@@ -69,8 +74,8 @@ def _info(d: dict) -> JobInfo:
         entrypoint=text(d.get("entrypoint")), message=text(d.get("message")), start_time=seconds(d.get("start_time")),
         end_time=seconds(d.get("end_time")),
         metadata={str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {},
-        driver_exit_code=opt(d.get("driver_exit_code"), int), driver_node_id=opt(d.get("driver_node_id"), str),
-        error_type=opt(d.get("error_type"), str),
+        driver_exit_code=opt_int(d.get("driver_exit_code")), driver_node_id=opt_str(d.get("driver_node_id")),
+        error_type=opt_str(d.get("error_type")),
     )
 
 
@@ -91,7 +96,7 @@ class JobApi:
         data = body if raw else json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
         try:
-            resp = urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 - the cluster's own dashboard
+            resp = urllib.request.urlopen(req, timeout=timeout)  # the cluster's own dashboard
         except urllib.error.HTTPError as e:
             text = e.read().decode(errors="replace").strip()
             if e.code in (401, 403):
@@ -153,18 +158,25 @@ class JobApi:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
             client = JobSubmissionClient(self.url, headers=headers)
             env = dict(runtime_env)
-            client._upload_working_dir_if_needed(env)  # noqa: SLF001 - the upload ray job submit does
+            client._upload_working_dir_if_needed(env)  # the upload ray job submit does
             return env
         except ClusterError:
             raise
-        except Exception as e:  # noqa: BLE001 - Ray raises many types here
+        except Exception as e:  # Ray raises many types here
             raise ClusterError(f"could not upload the working directory to {self.url}: {type(e).__name__}:"
                                f" {_first_line(str(e))}", "check the address and the token") from None
         finally:
             os.environ.update(saved)
             logging.disable(logging.NOTSET)
 
-    def _json(self, method: str, path: str, kind: type, body: dict | None = None):  # noqa: ANN202
+    @overload
+    def _json(self, method: str, path: str, kind: type[dict], body: dict | None = None) -> dict: ...
+
+    @overload
+    def _json(self, method: str, path: str, kind: type[list], body: dict | None = None) -> list[dict]: ...
+
+    def _json(self, method: str, path: str, kind: type[dict] | type[list],
+              body: dict | None = None) -> dict | list[dict]:
         """An answer that must be JSON of `kind` (dict or list): anything else is one line (exit 5)."""
         raw = self._request(method, path, body)
         try:
@@ -185,14 +197,15 @@ class JobApi:
         except _HttpError as e:
             if e.code == 404 or "does not exist" in e.text:
                 return None
-            raise ClusterError(f"the job API could not say what run {submission_id} is ({e.code}): {_first_line(e.text)}",
-                               "try again") from None
+            raise ClusterError(f"the job API could not say what run {submission_id} is ({e.code}):"
+                               f" {_first_line(e.text)}", "try again") from None
 
     def list(self) -> list[JobInfo]:
         try:
             return [_info(d) for d in self._json("GET", "/api/jobs/", list)]
         except _HttpError as e:
-            raise ClusterError(f"the job API could not list runs ({e.code}): {_first_line(e.text)}", "try again") from None
+            raise ClusterError(f"the job API could not list runs ({e.code}): {_first_line(e.text)}",
+                               "try again") from None
 
     def stop(self, submission_id: str) -> bool:
         try:
@@ -209,12 +222,13 @@ class JobApi:
             raise ClusterError(f"no log for run {submission_id} ({e.code}): {_first_line(e.text)}", "") from None
         return str(doc.get("logs") or "")
 
-    def nodes(self) -> list[dict]:
+    def nodes(self) -> builtins.list[dict]:
         """Ray's nodes as its state API lists them (node_id, node_ip, state ALIVE/DEAD, labels, ...)."""
         try:
             doc = self._json("GET", "/api/v0/nodes?limit=10000&detail=true", dict)
         except _HttpError as e:
-            raise ClusterError(f"the Ray head could not list its nodes ({e.code}): {_first_line(e.text)}", "try again") from None
+            raise ClusterError(f"the Ray head could not list its nodes ({e.code}): {_first_line(e.text)}",
+                               "try again") from None
         return list(((doc.get("data") or {}).get("result") or {}).get("result") or [])
 
     def read_file(self, node_id: str, filename: str) -> str | None:
@@ -244,12 +258,13 @@ class JobApi:
         return isinstance(listed, dict) and any(isinstance(v, list) and filename in v for v in listed.values())
 
 
-def _read_bounded(resp, url: str, timeout: float | None) -> bytes:  # noqa: ANN001 - an http.client response
+def _read_bounded(resp, url: str, timeout: float | None) -> bytes:  # an http.client response
     """The whole answer, within `timeout` in total and MAX_ANSWER bytes; ClusterError (exit 5) past either."""
     import time
 
     deadline = None if timeout is None else time.monotonic() + timeout
-    parts, size = [], 0
+    parts: list[bytes] = []
+    size = 0
     with resp:
         while True:
             chunk = resp.read1(65536) if hasattr(resp, "read1") else resp.read(65536)
@@ -258,11 +273,11 @@ def _read_bounded(resp, url: str, timeout: float | None) -> bytes:  # noqa: ANN0
             size += len(chunk)
             parts.append(chunk)
             if size > MAX_ANSWER:
-                raise ClusterError(f"the answer from {url} is larger than {MAX_ANSWER >> 20} MiB", "is that the cluster's"
-                                   " dashboard? (`tpulaunch cluster status`)")
+                raise ClusterError(f"the answer from {url} is larger than {MAX_ANSWER >> 20} MiB",
+                                   "is that the cluster's dashboard? (`tpulaunch cluster status`)")
             if deadline is not None and time.monotonic() > deadline:
-                raise ClusterError(f"the answer from {url} took longer than {timeout:g} s", "the head may be overloaded;"
-                                   " try again")
+                raise ClusterError(f"the answer from {url} took longer than {timeout:g} s",
+                                   "the head may be overloaded; try again")
 
 
 class _HttpError(Exception):

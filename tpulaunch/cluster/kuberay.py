@@ -13,10 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tpulaunch.cluster import kuberay_manifest as manifest
 from tpulaunch.errors import ClusterError
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
+
+if TYPE_CHECKING:
+    from tpulaunch.kube import Kube
 
 GROUP = "ray.io/group"
 REPLICA = "ray.io/worker-group-replica-index"
@@ -79,7 +83,8 @@ def _in(pod: dict, group: str, replica: int) -> bool:
     return labels.get(GROUP) == group and labels.get(REPLICA) == str(replica)
 
 
-def slices_from_pods(pods: list[dict], group: str, accelerator_type: str, topology: str, num_slices: int) -> list[SliceSpec]:
+def slices_from_pods(pods: list[dict], group: str, accelerator_type: str, topology: str,
+                     num_slices: int) -> list[SliceSpec]:
     """The cluster's slices as its pods place them (pods' IPs in worker-id order; a slice whose pods
     are not all running lists those that are). Pure."""
     out = []
@@ -90,9 +95,9 @@ def slices_from_pods(pods: list[dict], group: str, accelerator_type: str, topolo
         workers = tuple(WorkerEndpoint(int(p["metadata"]["labels"].get(HOST, "0")), p["status"]["podIP"],
                                        hostname=(p.get("spec") or {}).get("hostname") or p["metadata"]["name"])
                         for p in mine)
+        replica = mine[0]["metadata"]["labels"].get(REPLICA_NAME, "") if mine else ""
         out.append(SliceSpec(name=f"{group}-{r}", accelerator_type=accelerator_type, topology=topology, source="gke",
-                             state="READY", workers=workers, slice_index=r,
-                             provenance={"replica": mine[0]["metadata"]["labels"].get(REPLICA_NAME, "") if mine else ""}))
+                             state="READY", workers=workers, slice_index=r, provenance={"replica": replica}))
     return out
 
 
@@ -103,7 +108,8 @@ def _node_down(node: dict | None) -> str | None:
     ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None)
     if ready is None or ready.get("status") != "True":
         return f"is NotReady ({(ready or {}).get('message') or (ready or {}).get('reason') or 'no status'})"
-    if any(t.get("key") == "cloud.google.com/impending-node-termination" for t in (node.get("spec") or {}).get("taints") or []):
+    taints = (node.get("spec") or {}).get("taints") or []
+    if any(t.get("key") == "cloud.google.com/impending-node-termination" for t in taints):
         return "is being terminated (impending-node-termination)"
     return None
 
@@ -142,12 +148,12 @@ def replica_whole(pods: list[dict], nodes: dict[str, dict], group: str, replica:
             and all(_node_down(nodes.get((p.get("spec") or {}).get("nodeName", ""))) is None for p in mine))
 
 
-def head_pod(kube, name: str) -> dict | None:  # noqa: ANN001 - tpulaunch.kube.Kube
+def head_pod(kube: Kube, name: str) -> dict | None:
     pods = [p for p in kube.list("Pod", selector(name, head=True)) if not _deleting(p)]
     return pods[0] if pods else None
 
 
-def create_all(kube, objects: list[dict]) -> list[str]:  # noqa: ANN001
+def create_all(kube: Kube, objects: list[dict]) -> list[str]:
     """Create `objects` in order; on a failure delete those created first (nothing left behind) and
     raise. Returns their "Kind/name"."""
     made: list[str] = []
@@ -161,7 +167,7 @@ def create_all(kube, objects: list[dict]) -> list[str]:  # noqa: ANN001
     return made
 
 
-def delete_all(kube, objects: list[str] | tuple[str, ...]) -> list[str]:  # noqa: ANN001
+def delete_all(kube: Kube, objects: list[str] | tuple[str, ...]) -> list[str]:
     """Delete these objects, the RayCluster first (its pods go with it); those that were there."""
     gone = []
     order = sorted(objects, key=lambda o: o.split("/")[0] != "RayCluster")
@@ -172,7 +178,7 @@ def delete_all(kube, objects: list[str] | tuple[str, ...]) -> list[str]:  # noqa
     return gone
 
 
-def wait_pods(kube, name: str, group: str, num_slices: int, hosts: int, timeout_s: float,  # noqa: ANN001
+def wait_pods(kube: Kube, name: str, group: str, num_slices: int, hosts: int, timeout_s: float,
               say: Callable[[list[SliceProgress], bool], None], stopped: Callable[[], bool] = lambda: False,
               poll_s: float = 1.0) -> list[dict]:
     """Until the head and every host of every slice run and are ready: the pods. ClusterError when
@@ -203,7 +209,8 @@ def wait_pods(kube, name: str, group: str, num_slices: int, hosts: int, timeout_
         time.sleep(poll_s)
 
 
-def wait_head(kube, name: str, timeout_s: float, say: Callable[[str], None], poll_s: float = 1.0) -> dict:  # noqa: ANN001
+def wait_head(kube: Kube, name: str, timeout_s: float, say: Callable[[str], None],
+              poll_s: float = 1.0) -> dict:
     """Until the head pod runs and is ready: the pod. ClusterError after `timeout_s` (saying why it waits)."""
     end = time.monotonic() + timeout_s
     said = False
@@ -216,7 +223,8 @@ def wait_head(kube, name: str, timeout_s: float, say: Callable[[str], None], pol
             said = True
         if time.monotonic() >= end:
             why = _pending_reason(pods)
-            raise ClusterError(f"the head pod of {name} was not ready within {timeout_s:g} s" + (f" ({why})" if why else ""),
+            raise ClusterError(f"the head pod of {name} was not ready within {timeout_s:g} s"
+                               + (f" ({why})" if why else ""),
                                "is there a CPU node pool for it? (`kubectl describe pod -l ray.io/node-type=head`)")
         time.sleep(poll_s)
 
@@ -242,5 +250,5 @@ def check_name(name: str) -> None:
                              "use lower-case letters, digits and dashes, a letter first, at most 53")
 
 
-__all__ = ["SliceProgress", "check_name", "create_all", "delete_all", "head_pod", "manifest", "replica_whole", "selector",
-           "slice_loss", "slice_progress", "slices_from_pods", "wait_pods"]
+__all__ = ["SliceProgress", "check_name", "create_all", "delete_all", "head_pod", "manifest", "replica_whole",
+           "selector", "slice_loss", "slice_progress", "slices_from_pods", "wait_pods"]

@@ -105,7 +105,8 @@ def raycluster(req: GkeClusterRequest) -> dict:
     if tolerations:
         worker_spec["tolerations"] = tolerations
     meta = _meta(req, req.name)
-    meta["annotations"] = {VERSION_ANNOTATION: req.tpulaunch_version, "tpulaunch.dev/accelerator": topo.accelerator_type,
+    meta["annotations"] = {VERSION_ANNOTATION: req.tpulaunch_version,
+                           "tpulaunch.dev/accelerator": topo.accelerator_type,
                            "tpulaunch.dev/topology": topo.topology, "tpulaunch.dev/chips-per-vm": chips}
     if req.spare_slices:
         import json
@@ -164,7 +165,8 @@ def supervisor_rbac(req: GkeClusterRequest) -> list[dict]:
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(req, sa)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(req, sa),
          "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-                   {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch", "patch"]}]},
+                   {"apiGroups": ["ray.io"], "resources": ["rayclusters"],
+                    "verbs": ["get", "list", "watch", "patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(req, sa),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
          "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": req.namespace}]},

@@ -35,7 +35,7 @@ import traceback
 from tpulaunch.cluster.worker_start import patient_node_start
 
 
-def _params(node: dict):  # noqa: ANN202 - a ray._private.parameter.RayParams
+def _params(node: dict):  # a ray._private.parameter.RayParams
     from ray._private.parameter import RayParams
 
     nm, om, agent_listen, agent_grpc, env_agent, metrics, gcs, client, dash = node["ports"][:9]
@@ -126,7 +126,7 @@ def main() -> int:
             node["address"] = node["address"] or address
         try:
             got = start_node(node)
-        except Exception as e:  # noqa: BLE001 - one line for the launcher, the rest to the log
+        except Exception as e:  # one line for the launcher, the rest to the log
             traceback.print_exc(file=sys.stderr)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             print(f"error {type(e).__name__}: {first}", flush=True)

@@ -52,7 +52,8 @@ def make_temp_dir(cluster_id: str, home: Path) -> str:
     path = tempfile.mkdtemp(prefix=PREFIX, dir=str(temp_root()))
     fd = os.open(os.path.join(path, MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"cluster_id": cluster_id, "home": str(home.resolve()), "created": time.time(), "pid": os.getpid()}, f)
+        json.dump({"cluster_id": cluster_id, "home": str(home.resolve()), "created": time.time(),
+                   "pid": os.getpid()}, f)
     return path
 
 

@@ -36,7 +36,7 @@ def run_pids(run_id: str) -> list[int]:
     # only a spare (`tpulaunch.host.bootstrap --spare`) has its fds read: a raylet holds hundreds
     return [p.pid for p in procfs.processes() if procfs.alive(p.pid)
             and (env_needle in p.environ() or (b"tpulaunch.host.bootstrap" in p.cmdline()
-                                                and any(fd_needle in f for f in p.open_files())))]
+                                               and any(fd_needle in f for f in p.open_files())))]
 
 
 def stop_run_processes(run_id: str, grace_s: float = 3.0) -> int:

@@ -73,7 +73,8 @@ def start(temp_dir: str, cluster_id: str, idle_s: float) -> None:
 
     touch(temp_dir)
     env = {k: v for k, v in os.environ.items() if k != ID_ENV}  # the reaper is not a process of the cluster
-    subprocess.Popen([sys.executable, "-m", "tpulaunch.cluster.reaper", temp_dir.encode().hex(), cluster_id, str(idle_s)],
+    subprocess.Popen([sys.executable, "-m", "tpulaunch.cluster.reaper", temp_dir.encode().hex(), cluster_id,
+                      str(idle_s)],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True, close_fds=True, env=env)
 

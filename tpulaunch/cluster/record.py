@@ -53,8 +53,9 @@ def state_dir() -> Path:
         raise StateError(f"tpulaunch's state directory {d} cannot be used: {e.strerror}",
                          f"set {HOME_ENV} to a directory you can write") from None
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise StateError(f"tpulaunch's state directory {d} can be written by others (mode {stat.S_IMODE(st.st_mode):04o}):"
-                         " anyone could plant a cluster record there", f"chmod 700 {d}")
+        raise StateError(f"tpulaunch's state directory {d} can be written by others"
+                         f" (mode {stat.S_IMODE(st.st_mode):04o}): anyone could plant a cluster record there",
+                         f"chmod 700 {d}")
     return d
 
 
@@ -151,8 +152,8 @@ class RemoteSpec:
         if head not in ("worker-0", "local"):
             raise ValueError("head")
         spec = RemoteSpec(tuple(tpus), _str(d["zone"]), _str(d["project"]), _int(d["port"]), _str(d["temp_dir"]),
-                          _str(d["python"]), head, _opt(d.get("setup"), str), _opt(d.get("head_ip"), str),
-                          _opt(d.get("dashboard_port"), int), _opt(d.get("head_python"), str),
+                          _str(d["python"]), head, _opt_str(d.get("setup")), _opt_str(d.get("head_ip")),
+                          _opt_int(d.get("dashboard_port")), _opt_str(d.get("head_python")),
                           tuple(_str(m) for m in d.get("made") or ()))
         if spec.head_here and (spec.head_ip is None or spec.dashboard_port is None):
             raise ValueError("a local head with no address")
@@ -190,7 +191,7 @@ class GkeSpec:
         owned = d.get("owned", True)
         if not isinstance(owned, bool):
             raise TypeError("owned")
-        return GkeSpec(_str(d["name"]), _str(d["namespace"]), _opt(d.get("context"), str), _opt(d.get("kubeconfig"), str),
+        return GkeSpec(_str(d["name"]), _str(d["namespace"]), _opt_str(d.get("context")), _opt_str(d.get("kubeconfig")),
                        owned, _str(d.get("group", "tpu")), tuple(objects))
 
 
@@ -206,8 +207,12 @@ def _int(v: object) -> int:
     return v
 
 
-def _opt(v: object, kind: type) -> object:
-    return None if v is None else _int(v) if kind is int else _str(v)
+def _opt_str(v: object) -> str | None:
+    return None if v is None else _str(v)
+
+
+def _opt_int(v: object) -> int | None:
+    return None if v is None else _int(v)
 
 
 @dataclass
@@ -415,12 +420,14 @@ def check_token_file(path: str, source: str = "token file") -> str:
     try:
         st = p.lstat()
     except OSError as e:
-        raise StateError(f"{source} {p} cannot be read: {e.strerror}", "is the cluster up? (`tpulaunch cluster status`)") from None
+        raise StateError(f"{source} {p} cannot be read: {e.strerror}",
+                         "is the cluster up? (`tpulaunch cluster status`)") from None
     if stat.S_ISLNK(st.st_mode):  # its target's content would be sent as the token to whatever the record names
         raise StateError(f"{source} {p} is a symbolic link: a token is never read through one",
                          "bring the cluster up again (its token is a file of its own)")
     if not stat.S_ISREG(st.st_mode):
-        raise StateError(f"{source} {p} is not a file", "point RAY_AUTH_TOKEN_PATH (or the record) at the cluster's token")
+        raise StateError(f"{source} {p} is not a file",
+                         "point RAY_AUTH_TOKEN_PATH (or the record) at the cluster's token")
     if st.st_mode & 0o077:
         raise StateError(f"{source} {p} can be read by others (mode {stat.S_IMODE(st.st_mode):04o}): anyone on this"
                          " machine could use the cluster", f"chmod 600 {p}")

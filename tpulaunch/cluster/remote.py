@@ -2,8 +2,8 @@
 
 `emulated.py` starts emulated clusters on this machine; this module runs the commands that start,
 query and stop Ray *on the slice's own VMs* (`worker_commands.py` builds them) through
-`tpulaunch.gcloud` (the only module that runs gcloud). Nothing here opens a socket to the slice from the laptop: Ray's ports
-on TPU VMs are internal, so the head is asked through ssh to worker 0.
+`tpulaunch.gcloud` (the only module that runs gcloud). Nothing here opens a socket to the slice from the
+laptop: Ray's ports on TPU VMs are internal, so the head is asked through ssh to worker 0.
 
 What runs on each worker (every piece quoted with `shlex.quote`; nothing user-given unquoted):
 
@@ -75,7 +75,8 @@ def route_ip(peer: str) -> str:
             return s.getsockname()[0]
         except OSError:
             raise ClusterError(f"this machine has no route to worker 0 ({peer})",
-                               "run `cluster up --head local` on a machine in the slice's network, or pass --head-ip") from None
+                               "run `cluster up --head local` on a machine in the slice's network,"
+                               " or pass --head-ip") from None
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ class RemoteSlice:
                  python: str = DEFAULT_PYTHON, dashboard: bool = False, cluster_id: str | None = None,
                  head: LocalHead | None = None, setup: str | None = None, key: str | None = None) -> None:
         if not spec.workers:
-            raise ClusterError(f"TPU '{spec.name}' lists no worker endpoints", "is it READY? `tpulaunch slice describe`")
+            raise ClusterError(f"TPU '{spec.name}' lists no worker endpoints",
+                               "is it READY? `tpulaunch slice describe`")
         if not spec.zone or not spec.project:
             raise ClusterError(f"TPU '{spec.name}' has no zone/project", "pass --zone and --project")
         self.spec = spec
@@ -141,15 +143,18 @@ class RemoteSlice:
     def query(self) -> dict:
         """Ask the head which nodes it has (over ssh to worker 0, or here when the head is local):
         {"head": bool, "nodes": [...]}."""
+        proc: subprocess.CompletedProcess[str] | gcloud.SshResult
         if self.head is not None:
             token = token_file(self.key)
-            proc = subprocess.run(query_words(self.head.python, self.address), env={**os.environ, **local_auth_env(str(token))},
+            proc = subprocess.run(query_words(self.head.python, self.address),
+                                  env={**os.environ, **local_auth_env(str(token))},
                                   capture_output=True, text=True, timeout=120)
         else:
             proc = self.ssh(0, query_command(self.python, self.head_ip, self.port))
         doc = _marked_json(proc.stdout)
         if proc.returncode != 0 or doc is None:
-            raise ClusterError(f"could not ask worker 0 of '{self.spec.name}' about Ray (exit {proc.returncode}): {_tail(proc)}",
+            raise ClusterError(f"could not ask worker 0 of '{self.spec.name}' about Ray (exit {proc.returncode}):"
+                               f" {_tail(proc)}",
                                f"is Ray installed for {self.python} on the TPU VMs? (--remote-python)")
         if doc.get("error") and doc.get("head"):
             raise ClusterError(f"the Ray head at {self.address} answers but would not let us in: {doc['error']}",
@@ -217,7 +222,8 @@ class RemoteSlice:
             raise ClusterError(f"ray start failed on worker {worker} (exit {proc.returncode}): {_tail(proc)}",
                                f"Ray's logs are under {self.temp_dir} on that worker")
 
-    def up(self, progress: Progress | None = None, replaced: bool = False, replaced_wait_s: float = 120.0) -> ClusterInfo:
+    def up(self, progress: Progress | None = None, replaced: bool = False,
+           replaced_wait_s: float = 120.0) -> ClusterInfo:
         """Head on worker 0, every other worker joined; workers already in the cluster are left alone.
 
         `replaced`: the slice's VMs are new (re-created after a preemption). Ray still counts the old
@@ -294,7 +300,8 @@ class RemoteSlice:
     def down(self, progress: Progress | None = None, stop_head: bool = True) -> dict[int, dict]:
         """End this cluster's Ray processes on every worker, in parallel: {worker: {"stopped", "left"}};
         then the head off the slice (`stop_head`; a cluster of several slices stops it after the last)."""
-        if not self.cluster_id:
+        cluster_id = self.cluster_id
+        if not cluster_id:
             raise ClusterError(f"the record of the cluster on TPU '{self.spec.name}' has no cluster id (written by an"
                                " older tpulaunch?): nothing can be told apart as its", "stop its Ray processes on the"
                                " VMs yourself (`ray stop` there, if nothing else of yours runs Ray)")
@@ -304,7 +311,7 @@ class RemoteSlice:
         def stop(w: int) -> None:
             say(w, "stopping")
             try:
-                proc = self.ssh(w, stop_command(self.python, self.temp_dir, self.cluster_id))
+                proc = self.ssh(w, stop_command(self.python, self.temp_dir, cluster_id))
             except ClusterError as e:  # gcloud cannot run (a broken install or login) or timed out: the others go on
                 results[w] = {"error": e.message}
                 say(w, "FAILED")
@@ -323,10 +330,10 @@ class RemoteSlice:
         n = len(self.spec.workers)
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SSH, n)) as pool:
             list(pool.map(stop, range(n)))
-        if self.head is not None and stop_head:  # the head here: stopped as an emulated cluster is, by its id and marker
+        if self.head is not None and stop_head:  # the head here: stopped as an emulated cluster is, by id and marker
             from tpulaunch.cluster.emulated import stop_owned
 
-            results[-1] = {"stopped": stop_owned(self.cluster_id, self.head.temp_dir), "left": []}
+            results[-1] = {"stopped": stop_owned(cluster_id, self.head.temp_dir), "left": []}
         return results
 
 

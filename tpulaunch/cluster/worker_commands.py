@@ -63,7 +63,7 @@ def start_command(words: list[str], temp_dir: str, cluster_id: str) -> str:
             f" {gcloud.shell_words(words)}")
 
 
-def _source(module) -> str:  # noqa: ANN001 - a module of this package
+def _source(module) -> str:  # a module of this package
     """A worker program's source, sent with `python -c` (the worker needs no tpulaunch)."""
     return Path(module.__file__).read_text()
 
@@ -100,7 +100,7 @@ def _marked_json(text: str) -> dict | None:
     return None
 
 
-def _tail(proc: subprocess.CompletedProcess, n: int = 3) -> str:
+def _tail(proc: subprocess.CompletedProcess[str] | gcloud.SshResult, n: int = 3) -> str:
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and not ln.startswith(JSON_MARK)]
     return " | ".join(lines[-n:])
 

@@ -43,6 +43,7 @@ import socket
 import sys
 import time
 from collections.abc import Container
+from typing import Any
 
 REGISTER_WAIT_S = 90.0
 AGENT_WAIT_MS = 100_000  # the raylet's wait for its runtime-env agent (Ray's default: 30 s; on Windows 100 s)
@@ -55,7 +56,7 @@ def patient_get_node(wait_s: float = REGISTER_WAIT_S) -> None:
     real = services.get_node
     first_call: dict = {}
 
-    def get_node(gcs_address, node_id):  # noqa: ANN001, ANN202 - Ray's signature
+    def get_node(gcs_address, node_id):  # Ray's signature
         deadline = first_call.setdefault(node_id, time.monotonic()) + wait_s
         while True:
             try:
@@ -93,7 +94,7 @@ def early_agent_ports() -> None:
 
     real = node.Node.start_raylet
 
-    def start_raylet(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - Ray's signature
+    def start_raylet(self: node.Node, *args: Any, **kwargs: Any) -> Any:  # Ray's signature, passed through
         params = self._ray_params  # read by start_raylet for the agents' and the raylet's command lines
         taken: set[int] = set()
         for field, name in AGENT_PORTS:
@@ -101,10 +102,12 @@ def early_agent_ports() -> None:
             setattr(params, field, port)
             if port:
                 taken.add(port)
-                raylet.persist_port(self._session_dir, self._node_id, getattr(raylet, name), port)
+                # in ray._raylet (compiled) but not in the stub it ships
+                raylet.persist_port(self._session_dir, self._node_id,  # type: ignore[attr-defined]  # see above
+                                    getattr(raylet, name), port)
         return real(self, *args, **kwargs)
 
-    node.Node.start_raylet = start_raylet
+    node.Node.start_raylet = start_raylet  # type: ignore[method-assign]  # patched on purpose
 
 
 LOWEST_PORT = 10000  # below it: well-known and registered services

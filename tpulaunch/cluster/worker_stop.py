@@ -21,7 +21,7 @@ MARKER = "tpulaunch-cluster"  # = tpulaunch.cluster.ownership.MARKER (a test hol
 def alive(pid: int | str) -> bool:
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except Exception:  # noqa: BLE001 - gone, or not ours to read
+    except Exception:  # gone, or not ours to read
         return False
 
 
@@ -67,7 +67,8 @@ def members(cid: str, d: str = "", marked: bool = False) -> list[int]:
     are orphans once their raylet dies), and every process below those. Never another process
     just because it holds a file of the cluster open (a user's `tail -f`)."""
     entry = ("TPULAUNCH_CLUSTER_ID=" + cid).encode()
-    carriers, kids = [], {}
+    carriers: list[int] = []
+    kids: dict[int, list[int]] = {}
     for e in os.listdir("/proc"):
         if not e.isdigit() or int(e) == os.getpid() or not alive(e):
             continue

@@ -64,8 +64,8 @@ def require_project_zone(
     project: str | None, zone: str | None, what: str
 ) -> tuple[str, str, dict[str, str]]:
     p, z, prov = resolve_project_zone(project, zone)
-    missing = [k for k, v in (("project", p), ("zone", z)) if not v]
-    if missing:
+    if not p or not z:
+        missing = [k for k, v in (("project", p), ("zone", z)) if not v]
         hints = {
             "project": "--project P (or GOOGLE_CLOUD_PROJECT, or `gcloud config set project P`)",
             "zone": "--zone Z (or CLOUDSDK_COMPUTE_ZONE, or `gcloud config set compute/zone Z`)",
@@ -74,7 +74,7 @@ def require_project_zone(
             f"no {' or '.join(missing)} to look up {what} in",
             "pass " + " and ".join(hints[k] for k in missing),
         )
-    return p, z, prov  # type: ignore[return-value]
+    return p, z, prov
 
 
 # -- Cloud TPU API -------------------------------------------------------------------------------

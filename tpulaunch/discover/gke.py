@@ -18,10 +18,14 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from tpulaunch.errors import TopologyError
 from tpulaunch.plan import gke
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
+
+if TYPE_CHECKING:
+    from tpulaunch.kube import Kube
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,8 @@ class PoolSlice:
         out = []
         want = self.expected_hosts
         if want is None:
-            out.append("no topology label" + (f" (workload policy {self.placement_policy})" if self.placement_policy else ""))
+            out.append("no topology label"
+                       + (f" (workload policy {self.placement_policy})" if self.placement_policy else ""))
         elif len(self.nodes) != want:
             out.append(f"{len(self.nodes)} of {want} hosts")
         if self.ready < len(self.nodes):
@@ -139,12 +144,13 @@ def pools_from_nodes(nodes: list[dict]) -> list[PoolSlice]:
             ready=sum(1 for n in members if _ready(n)), spot=labels.get(gke.SPOT_LABEL) == "true",
             zone=labels.get(gke.ZONE_LABEL), placement_policy=labels.get(gke.PLACEMENT_POLICY_LABEL),
             maintenance=min(epochs) if epochs else None,
-            maintenance_ongoing=any(n["metadata"]["labels"].get(gke.ACTIVE_MAINTENANCE_LABEL) == "ONGOING" for n in members),
+            maintenance_ongoing=any(n["metadata"]["labels"].get(gke.ACTIVE_MAINTENANCE_LABEL) == "ONGOING"
+                                    for n in members),
             node_ips=tuple(_ip(n) for n in members)))
     return out
 
 
-def list_pools(kube) -> list[PoolSlice]:  # noqa: ANN001 - a tpulaunch.kube.Kube
+def list_pools(kube: Kube) -> list[PoolSlice]:
     """The cluster's TPU node pools (nodes are cluster-scoped: `list nodes` is the permission)."""
     return pools_from_nodes(kube.list("Node", gke.ACCELERATOR_LABEL))
 
@@ -175,6 +181,7 @@ def local_slice(env: Mapping[str, str]) -> tuple[SliceSpec, int] | None:
     if not names or names == ["localhost"]:
         names = [env.get("HOSTNAME", "localhost")]
     spec = SliceSpec(name=env["TPU_NAME"], accelerator_type=env["TPU_ACCELERATOR_TYPE"], topology=env["TPU_TOPOLOGY"],
-                     source="gke", state="READY", workers=tuple(WorkerEndpoint(i, h, hostname=h) for i, h in enumerate(names)),
+                     source="gke", state="READY",
+                     workers=tuple(WorkerEndpoint(i, h, hostname=h) for i, h in enumerate(names)),
                      provenance={"TPU_NAME": "env", "TPU_WORKER_ID": "env"})
     return spec, worker

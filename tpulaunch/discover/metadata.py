@@ -89,7 +89,7 @@ class MetadataClient:
     def get(self, path: str) -> str | None:
         req = urllib.request.Request(self.base + path, headers={"Metadata-Flavor": "Google"})
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:  # noqa: S310 - fixed http base
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:  # fixed http base
                 if resp.headers.get("Metadata-Flavor") != "Google":
                     raise MetadataError(
                         f"{self.base} answered without the Metadata-Flavor: Google header: not a metadata server",
@@ -97,7 +97,7 @@ class MetadataClient:
                     )
                 return resp.read().decode("utf-8", errors="replace")
         except urllib.error.HTTPError as e:
-            if (e.headers or {}).get("Metadata-Flavor") != "Google":
+            if (e.headers.get("Metadata-Flavor") if e.headers else None) != "Google":
                 raise MetadataError(
                     f"{self.base} answered HTTP {e.code} without the Metadata-Flavor: Google header:"
                     " not a metadata server",

@@ -149,7 +149,8 @@ def _from_api(req: SliceRequest) -> ResolvedSlices:
     if req.queued_resource:
         specs = list(describe.describe_queued_resource(req.queued_resource, zone=req.zone, project=req.project))
     else:
-        specs = [describe.describe_node(req.tpu, zone=req.zone, project=req.project)]  # type: ignore[arg-type]
+        assert req.tpu  # called for a --tpu or a --queued-resource
+        specs = [describe.describe_node(req.tpu, zone=req.zone, project=req.project)]
     return _checked(specs, req, "tpu-api")
 
 

@@ -88,7 +88,8 @@ def _is_code_key(text: str) -> bool:
     return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
-_RUN_PROBE = f"import runpy; runpy.run_path({os.path.join(os.path.dirname(__file__), 'probe.py')!r}, run_name='__main__')"
+_RUN_PROBE = (f"import runpy; runpy.run_path({os.path.join(os.path.dirname(__file__), 'probe.py')!r},"
+              " run_name='__main__')")
 
 
 def agent_for(slice_name: str, worker_id: int) -> object:
@@ -275,7 +276,8 @@ class HostAgent:
             except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as e:
                 error = f"the probe failed: {type(e).__name__}: {e}"
         rc = ray.get_runtime_context()
-        labels = {k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(rc.get_node_labels()).items()}
+        # a label's value: a list of one (as Ray annotates it) or a string, which str() leaves as it is
+        labels = {k: (v[0] if isinstance(v, list) and v else str(v)) for k, v in dict(rc.get_node_labels()).items()}
         # An emulated host holds no TPU: a process with this machine's libtpu lockfile open (a real
         # TPU job on the VM a slice is emulated on) takes nothing from it. Real hosts only, as at start.
         report = tpu_holders.scan() if not state.emulated else tpu_holders.HoldersReport(devices=[])
@@ -293,7 +295,8 @@ class HostAgent:
         from tpulaunch.errors import MetadataError
 
         try:
-            return MetadataClient(host=options.metadata_host, timeout=1.0).get("instance/attributes/agent-worker-number")
+            client = MetadataClient(host=options.metadata_host, timeout=1.0)
+            return client.get("instance/attributes/agent-worker-number")
         except (MetadataError, OSError):
             return None
 
@@ -519,8 +522,8 @@ class HostAgent:
         exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
         try:
             with HostProcess.spawning:  # a leftover sweep never sees it unnamed
-                proc = subprocess.Popen([exe, "dump", "--subprocesses", "--pid", str(h.proc.pid)], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)
+                proc = subprocess.Popen([exe, "dump", "--subprocesses", "--pid", str(h.proc.pid)],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 self._helpers.add(proc.pid)
         except OSError as e:
             return f"(py-spy dump failed: {e})"

@@ -10,6 +10,7 @@ process group), installs `tpulaunch.context()` / `get_mesh()`, and runs the user
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
 import pickle
@@ -19,16 +20,17 @@ import threading
 import time
 import traceback
 
-_T0 = time.time()  # this interpreter's start, near enough
+_T0 = time.time()  # this interpreter's start, near enough: taken before tpulaunch's imports below
+
+from tpulaunch import settings  # noqa: E402 - after _T0: boot()'s "started_s" counts these imports
+from tpulaunch.errors import ExitCode, TpulaunchError  # noqa: E402 - after _T0
+from tpulaunch.host import context as ctx_mod  # noqa: E402 - after _T0
+from tpulaunch.host import frameworks, leave  # noqa: E402 - after _T0
+from tpulaunch.host.context import PY_STDIO_ENV, TIMINGS_ENV  # noqa: E402 - after _T0
+from tpulaunch.plan.contract import HostState  # noqa: E402 - after _T0
+
 _SPARE = [False]  # this process was forked by a spare, its framework imported before the run
 _MARKER: list[int] = []  # the fd of the run's heartbeat file, held open (see _hold_run_marker)
-
-from tpulaunch import settings
-from tpulaunch.errors import ExitCode, TpulaunchError
-from tpulaunch.host import context as ctx_mod
-from tpulaunch.host import frameworks, leave
-from tpulaunch.host.context import PY_STDIO_ENV, TIMINGS_ENV
-from tpulaunch.plan.contract import HostState
 
 EXIT_BOOT_FAILED = ExitCode.BOOT_FAILED  # the host could not start the framework or build the mesh
 
@@ -54,10 +56,11 @@ def _own_stdio() -> None:
         out_fd, err_fd = (int(f) for f in fds.split(","))
         sys.stdout = open(out_fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=True)
         sys.stderr = open(err_fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=True)
-        sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # type: ignore[misc]
+        sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # type: ignore[misc]  # Final to typeshed, on purpose
     else:
         for stream in (sys.stdout, sys.stderr):
-            stream.reconfigure(line_buffering=True, write_through=False)
+            if isinstance(stream, io.TextIOWrapper):  # the interpreter's own (not a replacement)
+                stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def _hold_run_marker() -> None:
@@ -123,7 +126,7 @@ def main(argv: list[str]) -> int:
     except TpulaunchError as e:
         print(f"tpulaunch: host {state.process_index}{_of_rank(local_rank)}: {e.line()}", file=sys.stderr)
         return EXIT_BOOT_FAILED
-    except Exception:  # noqa: BLE001 - report and fail this host
+    except Exception:  # report and fail this host
         print(f"tpulaunch: host {state.process_index}{_of_rank(local_rank)}: framework boot failed", file=sys.stderr)
         traceback.print_exc()
         return EXIT_BOOT_FAILED
@@ -136,7 +139,7 @@ def main(argv: list[str]) -> int:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = _exit_code(e.code)
-    except BaseException:  # noqa: BLE001 - the user's traceback goes to the host log
+    except BaseException:  # the user's traceback goes to the host log
         traceback.print_exc()
         code = 1
     finally:
@@ -176,7 +179,7 @@ def _exit_steps(code: int, fw: frameworks.Framework, host: int, local_rank: int 
             let_go()
     try:
         threading._shutdown()  # type: ignore[attr-defined]  # Python's own first exit step
-    except Exception:  # noqa: BLE001 - as Python's exit does: say so and go on
+    except Exception:  # as Python's exit does: say so and go on
         traceback.print_exc()
     atexit._run_exitfuncs()  # prints what a handler raises, as at a plain exit
 
@@ -207,9 +210,10 @@ if __name__ == "__main__":
     if argv[:1] == ["--spare"]:
         from tpulaunch.host import spare
 
-        argv = spare.serve(argv[1])  # in the spare: None when it is let go; in a host it forked: a run's
-        if argv is None:
+        forked = spare.serve(argv[1])  # in the spare: None when it is let go; in a host it forked: a run's
+        if forked is None:
             os._exit(0)
+        argv = forked
         _SPARE[0] = True
     # os._exit: skip interpreter teardown, where PJRT/gloo threads can hang after a clean run (what a
     # plain exit does before it, the script's threads and atexit handlers, `main` has done).

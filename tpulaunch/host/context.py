@@ -22,10 +22,11 @@ class RunContext:
     """Facts about this process's place in the launch: a read-only view of its `HostState`."""
 
     __slots__ = ("state", "local_index")
+    state: HostState
+    local_index: int | None  # torch_tpu: this process's device on its host (one process per device); None: one per host
 
     def __init__(self, state: HostState, local_index: int | None = None) -> None:
         object.__setattr__(self, "state", state)
-        # torch_tpu: this process's device on its host (one process per device); None: one process per host
         object.__setattr__(self, "local_index", local_index)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -31,7 +31,7 @@ def run_files_dir() -> str:
     before it could remove them (SIGKILL, a lost node) leaves nothing behind in /tmp."""
     import ray._private.worker as worker
 
-    node = worker._global_node  # noqa: SLF001 - Ray has no public accessor for the session dir
+    node = worker._global_node  # Ray has no public accessor for the session dir
     if node is None:  # not in a Ray worker (a unit test's agent)
         return tempfile.gettempdir()
     path = os.path.join(node.get_session_dir_path(), "tpulaunch")

@@ -83,6 +83,7 @@ def _last(host: str, port: int, token: str, others: int, timeout_s: float) -> No
                 return
             for key, _ in sel.select(left):
                 s = key.fileobj
+                assert isinstance(s, socket.socket)  # only sockets are registered
                 if s is listener:
                     try:
                         conn, _ = listener.accept()

@@ -152,9 +152,11 @@ def probe(request: dict) -> dict:
         "versions": versions(),
         "script_sha256": file_sha256(script) if script else None,
         "workdir_sha256": tree, "workdir_files": files,
-        "connect": [[host, port, label, connect(host, int(port), timeout)] for host, port, label in request.get("connect", [])],
+        "connect": [[host, port, label, connect(host, int(port), timeout)]
+                    for host, port, label in request.get("connect", [])],
         "bind": [[port, label, bindable(int(port))] for port, label in request.get("bind", [])],
-        "disk_free": {"compile cache": free_bytes(request.get("cache_dir")), "log dir": free_bytes(request.get("log_dir"))},
+        "disk_free": {"compile cache": free_bytes(request.get("cache_dir")),
+                      "log dir": free_bytes(request.get("log_dir"))},
         "mem_available": mem_available(),
         "executable": sys.executable,
     }

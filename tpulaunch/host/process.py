@@ -38,7 +38,8 @@ class HostProcess:
     spawning = threading.Lock()
     running: set[int] = set()
 
-    def __init__(self, env: dict[str, str], start: Callable[[], tuple], leftovers: Callable[[HostProcess], list[int]] | None = None) -> None:
+    def __init__(self, env: dict[str, str], start: Callable[[], tuple],
+                 leftovers: Callable[[HostProcess], list[int]] | None = None) -> None:
         """`start()` starts the process: (a Popen or `Adopted`, [(stream name, binary pipe), ...])."""
         self.env = env
         self.lines: collections.deque = collections.deque()
@@ -85,7 +86,9 @@ class HostProcess:
                 for _r, w in pipes:
                     os.close(w)
             streams = [("stdout", proc.stdout), ("stderr", proc.stderr)]
-            return proc, streams + [(name, os.fdopen(r, "rb", buffering=0)) for name, (r, _w) in zip(("stdout", "stderr"), pipes)]
+            # no pipes of Python's own (not the bootstrap): none added
+            return proc, streams + [(name, os.fdopen(r, "rb", buffering=0))
+                                    for name, (r, _w) in zip(("stdout", "stderr"), pipes, strict=False)]
 
         return cls(env, start, leftovers)
 
@@ -97,7 +100,7 @@ class HostProcess:
         def start() -> tuple:
             pid, fds = spare.fork(state_path, env, cwd, timeout_s)
             names = ("stdout", "stderr", "stdout", "stderr")  # fds 1, 2, then Python's own two
-            return Adopted(pid), [(name, os.fdopen(fd, "rb", buffering=0)) for name, fd in zip(names, fds)]
+            return Adopted(pid), [(name, os.fdopen(fd, "rb", buffering=0)) for name, fd in zip(names, fds, strict=True)]
 
         return cls(env, start, leftovers)
 
@@ -107,7 +110,7 @@ class HostProcess:
             self.last_line = time.time()
             self.cond.notify_all()
 
-    def _pump(self, name: str, stream) -> None:  # noqa: ANN001 - a binary pipe
+    def _pump(self, name: str, stream) -> None:  # a binary pipe
         """Lines from one pipe until it closes, or until told to stop reading (the script ended and
         something it left behind, kept on purpose, still holds the pipe)."""
         fd, buf = stream.fileno(), b""

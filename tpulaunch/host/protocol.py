@@ -46,7 +46,8 @@ class PollReply:
     step: int | None = None  # the last `tpulaunch.heartbeat(step=N)`, if the script reports steps
     step_age: float = 0.0  # seconds since that step was reported (the host's clock, a difference)
     first_step: tuple[int, float] | None = None  # this host process's first reported step: (step, seconds ago)
-    checkpoint: tuple[int, float, float] | None = None  # the last `heartbeat(step=N, checkpoint=True)`: (N, save s, s ago)
+    # the last `heartbeat(step=N, checkpoint=True)`: (N, save s, s ago)
+    checkpoint: tuple[int, float, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def failed_line(rank: int, host: int, local: int, reason: str, others: int) -> s
             f" stopping this host's other {others} process(es)")
 
 
-def _pump(stream, out, tag: str, lock: threading.Lock) -> None:  # noqa: ANN001 - a binary pipe, a text file
+def _pump(stream, out, tag: str, lock: threading.Lock) -> None:  # a binary pipe, a text file
     for raw in iter(stream.readline, b""):
         text = raw.decode("utf-8", "backslashreplace").rstrip("\n")
         with lock:
@@ -65,7 +65,8 @@ class Child:
     """One device's process, forked from this one: what the loop below asks of it (a Popen's)."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.returncode = pid, None
+        self.pid = pid
+        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -109,13 +110,14 @@ def fork_rank(rank_main: RankMain, state_path: str, local_rank: int, env: dict[s
         become_fresh(out_w, err_w, env)
         # the host's Python streams are its own pipes to the agent: the child's are fds 1 and 2
         host_out, host_err = sys.stdout, sys.stderr
-        sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
-        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # type: ignore[misc]  # Final to typeshed, on purpose
         for stream in (host_out, host_err):
             if stream.fileno() > 2:
                 stream.close()
         code = rank_main([state_path, "--rank", str(local_rank)])
-    except BaseException:  # noqa: BLE001 - the child must never return into the host's loop
+    except BaseException:  # the child must never return into the host's loop
         traceback.print_exc()
     finally:
         os._exit(code)
@@ -161,6 +163,7 @@ def run(state: HostState, state_path: str, rank_main: RankMain) -> int:
         time.sleep(0.05)
     if failed and not stopping[0]:
         rank, local, child = failed[0]
+        assert child.returncode is not None  # failed: it has exited, with a code that is not 0
         code = procfs.exit_code(child.returncode)
         with lock:
             print(failed_line(rank, state.process_index, local, procfs.exit_reason(code), len(running)),

@@ -117,7 +117,8 @@ class Adopted:
     One thread waits for it, so no other waiter can take its exit code."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.returncode = pid, None
+        self.pid = pid
+        self.returncode: int | None = None
         self._done = threading.Event()
         threading.Thread(target=self._wait, name=f"tpulaunch-host-{pid}", daemon=True).start()
 

@@ -99,7 +99,8 @@ class Generation:
 
     def canonical_shapes(self) -> list[str]:
         """One shape per size, the canonical one, ascending by size (what `v<N>-<size>` names)."""
-        return [self.canonical_shape(c) for c in self.sizes()]  # type: ignore[misc]
+        shapes = (self.canonical_shape(c) for c in self.sizes())
+        return [s for s in shapes if s is not None]  # every size has one: none is left out
 
     def describe_shapes(self, limit: int = 12) -> str:
         """The valid shapes, for an error message."""

@@ -54,7 +54,8 @@ class Endpoints:
             master_port=master_port or self.master_port,
             group_port=group_port or self.group_port,
             jax_port=jax_port if (jax_port and self.jax_port is not None) else self.jax_port,
-            emulation_port=emulation_port if (emulation_port and self.emulation_port is not None) else self.emulation_port,
+            emulation_port=(emulation_port if (emulation_port and self.emulation_port is not None)
+                            else self.emulation_port),
             exit_port=exit_port if (exit_port and self.exit_port is not None) else self.exit_port,
         )
 

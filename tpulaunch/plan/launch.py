@@ -95,7 +95,8 @@ def resolve_env(items: list[str] | tuple[str, ...] | None, files: list[str] | tu
         key, sep, _ = item.partition("=")
         if not sep:
             if not _ENV_KEY.fullmatch(key):
-                raise LaunchError(f"--env {item[:80]!r} is not KEY=VALUE or NAME", "write it as --env NAME=value or --env NAME")
+                raise LaunchError(f"--env {item[:80]!r} is not KEY=VALUE or NAME",
+                                  "write it as --env NAME=value or --env NAME")
             if key not in environ:
                 raise LaunchError(f"--env {key} takes its value from this environment, where {key} is not set",
                                   f"export {key}=... first, or write --env {key}=value")

@@ -33,7 +33,7 @@ from functools import cached_property
 
 from tpulaunch.errors import MeshError
 from tpulaunch.plan import placement as placement_mod
-from tpulaunch.plan.placement import PLACEMENTS, snake  # noqa: F401  (snake: the host walk, for tests)
+from tpulaunch.plan.placement import PLACEMENTS, snake  # noqa: F401 - snake: the host walk, for tests
 from tpulaunch.plan.topology import Coord, Topology
 
 _AXIS_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -78,7 +78,8 @@ def parse_axes(text: str, flag: str = "--mesh") -> AxisSpec:
         try:
             n = int(size)
         except ValueError:
-            raise MeshError(f"{flag} axis '{name}' has size '{size}', not an integer", "use a positive integer or -1") from None
+            raise MeshError(f"{flag} axis '{name}' has size '{size}', not an integer",
+                            "use a positive integer or -1") from None
         if n == 0 or n < -1:
             raise MeshError(f"{flag} axis '{name}' has size {n}", "sizes are positive integers (or -1 once, to infer)")
         if any(name == o for o, _ in out):
@@ -127,7 +128,7 @@ class MeshPlan:
     # -- sizes -----------------------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(i * d for i, d in zip(self.ici_shape, self.dcn_shape))
+        return tuple(i * d for i, d in zip(self.ici_shape, self.dcn_shape, strict=True))
 
     @property
     def num_devices(self) -> int:
@@ -160,7 +161,7 @@ class MeshPlan:
             dcn_idx = _unravel(s, dcn)
             for k, dev in enumerate(walk):
                 ici_idx = _unravel(k, ici)
-                full = tuple(d * i_size + i for d, i, i_size in zip(dcn_idx, ici_idx, ici))
+                full = tuple(d * i_size + i for d, i, i_size in zip(dcn_idx, ici_idx, ici, strict=True))
                 grid[_ravel(full, shape)] = s * per_slice + dev
         return grid
 
@@ -179,7 +180,7 @@ class MeshPlan:
             {"axis": name, "size": size, "ici": ici, "dcn": dcn,
              "hops": None if h is None else round(h, 4), "ideal": None if b is None else round(b, 4)}
             for name, size, ici, dcn, h, b in zip(self.axis_names, self.shape, self.ici_shape, self.dcn_shape,
-                                                  lay.hops, best)
+                                                  lay.hops, best, strict=True)
         ]
 
     def device_ids(self) -> list[int]:
@@ -215,7 +216,8 @@ class MeshPlan:
             i = index.get((d.slice, tuple(d.chip), d.core))
             if i is None:
                 raise MeshMismatchError(
-                    f"planned device {dev_id} (slice {d.slice}, chip {d.chip}, core {d.core}) is not among {runtime}'s devices",
+                    f"planned device {dev_id} (slice {d.slice}, chip {d.chip}, core {d.core}) is not among"
+                    f" {runtime}'s devices",
                     "the slice's physical layout differs from the plan; check --topology",
                 )
             out.append(i)
@@ -291,7 +293,8 @@ def check_num_slices(topology: Topology, num_slices: int) -> None:
     for generations Cloud TPU Multislice supports (v4 and later)."""
     check_slice_count(num_slices)
     if num_slices > 1 and topology.generation.name in ("v2", "v3"):
-        raise MeshError(f"{topology.generation.name} slices do not form a multislice (Cloud TPU Multislice is v4 and later)",
+        raise MeshError(f"{topology.generation.name} slices do not form a multislice"
+                        " (Cloud TPU Multislice is v4 and later)",
                         "use one slice, or a v4 or later generation")
 
 
@@ -308,8 +311,9 @@ def resize_slices(plan: MeshPlan, num_slices: int) -> MeshPlan:
         return plan
     axis = elastic_axis(plan)
     if axis is None:
-        raise MeshError(f"the mesh {dict(zip(plan.axis_names, plan.dcn_shape))} over DCN has no one axis across"
-                        f" its {plan.num_slices} slices to resize", "put the slices on one --dcn axis, e.g. --dcn data=2")
+        raise MeshError(f"the mesh {dict(zip(plan.axis_names, plan.dcn_shape, strict=True))} over DCN has no one"
+                        f" axis across its {plan.num_slices} slices to resize",
+                        "put the slices on one --dcn axis, e.g. --dcn data=2")
     check_num_slices(plan.topology, num_slices)
     dcn = tuple(num_slices if i == axis else d for i, d in enumerate(plan.dcn_shape))
     return replace(plan, dcn_shape=dcn, num_slices=num_slices)
@@ -357,7 +361,7 @@ def plan_mesh(
         dcn_axes = ((names[0], num_slices),) if num_slices > 1 else ()
     dcn_sizes = _infer(dcn_axes, num_slices, "slices") if dcn_axes else ()
     ici_list = list(ici)
-    dcn_by_name = dict(zip((n for n, _ in dcn_axes), dcn_sizes))
+    dcn_by_name = dict(zip((n for n, _ in dcn_axes), dcn_sizes, strict=True))
     for name in reversed([n for n, _ in dcn_axes if n not in names]):
         names.insert(0, name)
         ici_list.insert(0, 1)
@@ -386,7 +390,7 @@ def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
 
 def _ravel(idx: Sequence[int], shape: Sequence[int]) -> int:
     flat = 0
-    for i, n in zip(idx, shape):
+    for i, n in zip(idx, shape, strict=True):
         flat = flat * n + i
     return flat
 

@@ -73,8 +73,9 @@ class Torus:
     def of(t: Topology) -> Torus:
         g = t.generation
         dims = (*t.shape, g.devices_per_chip)
-        wrap = tuple(wraps(g.torus_dims, n) for n in t.shape) + (False,)
-        return Torus(dims, wrap, (*t.chips_per_host_bounds, g.devices_per_chip))  # type: ignore[arg-type]
+        x, y, z = t.shape
+        wrap = (wraps(g.torus_dims, x), wraps(g.torus_dims, y), wraps(g.torus_dims, z), False)
+        return Torus(dims, wrap, (*t.chips_per_host_bounds, g.devices_per_chip))
 
     def hops(self, delta: np.ndarray) -> np.ndarray:
         """ICI hops of coordinate differences `delta[..., 4]` (the core difference costs nothing)."""
@@ -170,8 +171,8 @@ def _cycle(first: int, rest: np.ndarray) -> np.ndarray:
         rows.append(np.full(cols - 1, r))
     rows.append(np.arange(first - 1, 0, -1))
     cs.append(np.zeros(first - 1, dtype=np.int64))
-    r, c = np.concatenate(rows), np.concatenate(cs)
-    return np.column_stack([r, rest[c]])
+    row_idx, col_idx = np.concatenate(rows), np.concatenate(cs)
+    return np.column_stack([row_idx, rest[col_idx]])
 
 
 @lru_cache(maxsize=1024)
@@ -229,7 +230,7 @@ def _shares(size: int, room: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Every way to split `size` over the dimensions: factors dividing each dimension's room."""
     if not room:
         return [()] if size == 1 else []
-    out = []
+    out: list[tuple[int, ...]] = []
     for d in _divisors(math.gcd(size, room[0])):
         out.extend((d,) + rest for rest in _shares(size // d, room[1:]))
     return out
@@ -274,9 +275,9 @@ def _search(torus: Torus, shape: tuple[int, ...], host_rows: bool) -> _Found | N
         limit = room
         if host_rows and j != first:
             # the other axes stay inside one host's block, so every row of the first is one host's
-            limit = tuple(math.gcd(r, b) for r, b in zip(room, _inner_room(torus, chosen)))
+            limit = tuple(math.gcd(r, b) for r, b in zip(room, _inner_room(torus, chosen), strict=True))
         for share in _shares(shape[j], limit):
-            place(k - 1, tuple(r // s for r, s in zip(room, share)), {**chosen, j: share})
+            place(k - 1, tuple(r // s for r, s in zip(room, share, strict=True)), {**chosen, j: share})
 
     def _orders(chosen: dict[int, tuple[int, ...]]):
         per_dim: list[list[list[int]]] = []
@@ -324,7 +325,7 @@ class _Found:
 def _inner_room(torus: Torus, chosen: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
     """What is left of one host's block after the axes already placed inside it."""
     used = [math.prod(share[d] for share in chosen.values()) for d in range(4)]
-    return tuple(b // math.gcd(b, u) if b % u == 0 else 1 for b, u in zip(torus.block, used))
+    return tuple(b // math.gcd(b, u) if b % u == 0 else 1 for b, u in zip(torus.block, used, strict=True))
 
 
 def _assemble(t: Topology, shape: tuple[int, ...], parts: list) -> np.ndarray:
@@ -342,12 +343,12 @@ def host_walk(t: Topology) -> list[int]:
     """Device ids of one slice in the `host` placement's order (hosts, then chips, in snake order)."""
     dpc = t.generation.devices_per_chip
     block = t.chips_per_host_bounds
-    xfast = {(x, y, z): x + block[0] * (y + block[1] * z)
-             for z in range(block[2]) for y in range(block[1]) for x in range(block[0])}
+    xfast: dict[tuple[int, ...], int] = {(x, y, z): x + block[0] * (y + block[1] * z)
+                                         for z in range(block[2]) for y in range(block[1]) for x in range(block[0])}
     order = [tuple(c) for c in snake(block)]
     walk: list[int] = []
     for grid in snake(t.host_bounds):
-        base = t.worker_id_of_grid(grid) * t.devices_per_host  # type: ignore[arg-type]
+        base = t.worker_id_of_grid(grid) * t.devices_per_host
         walk.extend(base + xfast[c] * dpc + core for c in order for core in range(dpc))
     return walk
 
@@ -392,4 +393,5 @@ def ideal(t: Topology, shape: tuple[int, ...]) -> tuple[float | None, ...]:
     walk = layout(t, shape, "host").hops
     if found is None:
         return walk
-    return tuple(None if m is None else min(m, w) for m, w in zip(found.mins, walk))  # type: ignore[type-var]
+    # an axis with a best score has a ring (size > 1), so a score in the `host` layout too
+    return tuple(None if m is None or w is None else min(m, w) for m, w in zip(found.mins, walk, strict=True))

@@ -72,7 +72,8 @@ class ShardingPlan:
             for a in axes:
                 idx = _axis_index(plan, a)
                 if idx in used:
-                    raise MeshError(f"mesh axis '{plan.axis_names[idx]}' used twice in the spec", "use each axis at most once")
+                    raise MeshError(f"mesh axis '{plan.axis_names[idx]}' used twice in the spec",
+                                    "use each axis at most once")
                 used.append(idx)
                 n *= plan.shape[idx]
             tiles.append(n)
@@ -84,7 +85,7 @@ class ShardingPlan:
             # XLA's HloSharding::PartialTile sorts the devices of each replication group;
             # do the same so the string matches what torch_xla reports.
             ids = [d for g in range(0, len(ids), replicate) for d in sorted(ids[g:g + replicate])]
-        shard = tuple(-(-d // t) for d, t in zip(shape, tiles))
+        shard = tuple(-(-d // t) for d, t in zip(shape, tiles, strict=True))
         if math.prod(tiles) == 1:
             hlo = "{replicated}"
         else:
@@ -99,7 +100,8 @@ class ShardingPlan:
         for t in range(math.prod(self.tile_shape)):
             tidx = _unravel(t, self.tile_shape)
             ranges = tuple(
-                (min(i * s, d), min((i + 1) * s, d)) for i, s, d in zip(tidx, self.shard_shape, self.tensor_shape)
+                (min(i * s, d), min((i + 1) * s, d))
+                for i, s, d in zip(tidx, self.shard_shape, self.tensor_shape, strict=True)
             )
             devs = list(self.tile_assignment[t * self.replicate:(t + 1) * self.replicate])
             out.append((ranges, devs))
@@ -112,7 +114,8 @@ class ShardingPlan:
             "tile_shape": list(self.tile_shape),
             "shard_shape": list(self.shard_shape),
             "replicas_per_shard": self.replicate,
-            "padded": any(s * t != d for s, t, d in zip(self.shard_shape, self.tile_shape, self.tensor_shape)),
+            "padded": any(s * t != d
+                          for s, t, d in zip(self.shard_shape, self.tile_shape, self.tensor_shape, strict=True)),
             "hlo_sharding": self.hlo,
             "blocks": [
                 {"index": [list(r) for r in ranges], "devices": devs} for ranges, devs in self.blocks()

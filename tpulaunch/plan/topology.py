@@ -18,7 +18,7 @@ Conventions (documented because every other module relies on them):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -107,7 +107,7 @@ class Topology:
         hx, hy, _ = self.host_bounds
         return (worker_id % hx, (worker_id // hx) % hy, worker_id // (hx * hy))
 
-    def worker_id_of_grid(self, grid: Coord) -> int:
+    def worker_id_of_grid(self, grid: Sequence[int]) -> int:
         hx, hy, _ = self.host_bounds
         return grid[0] + hx * (grid[1] + hy * grid[2])
 
@@ -244,13 +244,13 @@ def make_topology(
         )
     dims3: Coord = (dims[0], dims[1], dims[2] if len(dims) == 3 else 1)
     bounds = _chips_per_host_bounds(gen, dims3, chips_per_host)
-    notes = list(notes)
+    all_notes = list(notes)
     if gen.name in ("v5e", "v6e") and shape == "2x4" and math.prod(bounds) == 8:
-        notes.append(
+        all_notes.append(
             "a 2x4 slice is one 8-chip VM through the Cloud TPU API (two 4-chip VMs on GKE:"
             " pass --chips-per-host 4)"
         )
-    return Topology(gen, dims3, bounds, tuple(notes))
+    return Topology(gen, dims3, bounds, tuple(all_notes))
 
 
 def parse_accelerator_type(text: str, chips_per_host: int | None = None) -> Topology:
@@ -325,7 +325,8 @@ def resolve(
                 "write an accelerator type (v4-32, v5litepod-16, v6e-8, tpu7x-16) or a shape"
                 " (2x8, or 2x2x4 with --accelerator v4)",
             )
-        gen = generation(acc)  # type: ignore[arg-type]
+        assert acc  # no shape: an accelerator, as checked above
+        gen = generation(acc)
         raise TopologyError(
             f"--accelerator {acc} needs a shape or a size",
             f"add --topology (valid {gen.name} shapes: {gen.describe_shapes()}) or write {gen.type_prefix}-N",

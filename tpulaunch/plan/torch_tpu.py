@@ -79,7 +79,7 @@ class Process:
 def slicebuilder_addresses(state: HostState) -> str:
     """Every device of this host's slice, host-major in worker-id order (the same on every host)."""
     per_host = state.job.topology.devices_per_host
-    out = []
+    out: list[str] = []
     for w, ip in enumerate(state.slot.slice_ips):
         first = SLICEBUILDER_BASE_PORT + (w * per_host if state.job.emulated else 0)
         out.extend(f"{ip}:{first + i}" for i in range(per_host))

@@ -21,7 +21,7 @@ def of(info: ClusterInfo | None) -> Provider:
     if info is None or info.emulated:
         from tpulaunch.providers.emulated import EmulatedProvider
 
-        return EmulatedProvider(info)  # type: ignore[arg-type]
+        return EmulatedProvider(info)  # type: ignore[arg-type]  # None: no cluster, only its refusals are asked
     return Provider(info)
 
 

@@ -177,7 +177,8 @@ class Provider:
         """Why a slice of this cluster cannot be taken out and made again (`--replace-hung`). Pure."""
         return "a cluster known only by its address cannot make a slice again"
 
-    def replace(self, names: list[str], why: str, deadline_s: float, say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
+    def replace(self, names: list[str], why: str, deadline_s: float,
+                say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
         """Take these (healthy but hung) slices out and make them again: new hosts with the same
         identity; (what was made, the cluster's slices now)."""
         raise RejoinFailed(self.replace_refusal() or "not supported")
@@ -189,7 +190,8 @@ def status_doc(info: ClusterInfo, found: list) -> dict:
         "schema": "tpulaunch.cluster-status/v1", "address": info.address, "emulated": info.emulated,
         "slices": [
             {"name": s.name, "pod_type": s.pod_type, "topology": s.topology,
-             "hosts": [{"worker_id": w, "node_ip": ip, "alive": alive, "busy": busy} for w, ip, alive, busy in s.workers]}
+             "hosts": [{"worker_id": w, "node_ip": ip, "alive": alive, "busy": busy}
+                       for w, ip, alive, busy in s.workers]}
             for s in found
         ],
     }

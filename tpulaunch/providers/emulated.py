@@ -28,7 +28,8 @@ class EmulatedProvider(Provider):
     def replace_refusal(self) -> str | None:
         return None if self.info.running_here else "the emulated cluster runs on another machine"
 
-    def replace(self, names: list[str], why: str, deadline_s: float, say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
+    def replace(self, names: list[str], why: str, deadline_s: float,
+                say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
         """Stop the slices' host nodes and start them again: a TPU VM replaced by a new one with the
         same identity (the run waits for them in Ray next)."""
         from tpulaunch.cluster import emulated

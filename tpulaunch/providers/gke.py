@@ -14,6 +14,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tpulaunch import kube as kube_mod
 from tpulaunch.cluster import kuberay, tokens
@@ -24,6 +25,9 @@ from tpulaunch.errors import ClusterError, DiscoveryError, TpulaunchError
 from tpulaunch.plan import gke
 from tpulaunch.plan.slicespec import SliceSpec
 from tpulaunch.providers.base import Progress, Provider, Recreation, RejoinFailed, Say
+
+if TYPE_CHECKING:
+    from tpulaunch.cluster.jobs import JobApi
 
 DEFAULT_TIMEOUT_S = 900.0
 # How long a lost host's slice may take to show its loss in the API (the kubelet's shutdown: GKE gives
@@ -69,14 +73,15 @@ def request_of(up: UpRequest, namespace: str, cluster_id: str) -> manifest.GkeCl
     kuberay.check_name(up.name)
     kube_mod.check_namespace(namespace)
     if not 1 <= up.num_slices <= 1024:
-        raise TpulaunchError(f"--num-slices {up.num_slices} is not a number of slices from 1 to 1024", "e.g. --num-slices 2")
+        raise TpulaunchError(f"--num-slices {up.num_slices} is not a number of slices from 1 to 1024",
+                             "e.g. --num-slices 2")
     if not 0 <= up.spare_slices <= 64:
         raise TpulaunchError(f"--spare-slices {up.spare_slices} is not from 0 to 64", "e.g. --spare-slices 1")
     if not up.image:
         tv, rv = client_versions()
         raise TpulaunchError("--image is needed: the image every pod runs",
-                             f"build one with tpulaunch {tv} and ray[default]=={rv} (e.g. FROM rayproject/ray:{rv}-py311,"
-                             f" RUN pip install tpulaunch=={tv})")
+                             f"build one with tpulaunch {tv} and ray[default]=={rv}"
+                             f" (e.g. FROM rayproject/ray:{rv}-py311, RUN pip install tpulaunch=={tv})")
     shape = gke.shape(up.accelerator, up.topology, up.chips_per_vm)
     tv, rv = client_versions()
     return manifest.GkeClusterRequest(name=up.name, namespace=namespace, shape=shape, num_slices=up.num_slices,
@@ -185,20 +190,22 @@ def _check_pools(pools: list, req: manifest.GkeClusterRequest, spot: bool) -> li
     topo = req.shape.topology
     want = (f"{req.replicas} node pool(s) of {topo.generation.name} {topo.topology} with {req.shape.chips_per_vm} chips"
             f" a node{' (spot)' if spot else ''}")
-    have = "; ".join(f"{p.pool}: {p.generation or p.accelerator_label} {p.topology or '?'}, {p.chips_per_node} chips a node,"
-                     f" {len(p.nodes)}/{p.expected_hosts or '?'} hosts{', spot' if p.spot else ''}" for p in pools)
+    have = "; ".join(f"{p.pool}: {p.generation or p.accelerator_label} {p.topology or '?'},"
+                     f" {p.chips_per_node} chips a node, {len(p.nodes)}/{p.expected_hosts or '?'} hosts"
+                     f"{', spot' if p.spot else ''}" for p in pools)
     raise DiscoveryError(f"no room for {want}: {len(fit)} fit" + (f" (TPU node pools: {have})" if pools else
-                                                                 " (the cluster has no TPU node pools)"),
+                                                                  " (the cluster has no TPU node pools)"),
                          "create them (gcloud container node-pools create ... --machine-type"
                          f" {req.shape.machine_type} --tpu-topology {topo.topology}"
-                         f" --num-nodes {req.shape.hosts}), or ask for a shape that is there (`tpulaunch slice list --gke`)")
+                         f" --num-nodes {req.shape.hosts}), or ask for a shape that is there"
+                         " (`tpulaunch slice list --gke`)")
 
 
 def _progress_line(progress: list[kuberay.SliceProgress], head_ready: bool) -> str:
     return "  ".join([f"head: {'ready' if head_ready else 'starting'}"] + [s.line() for s in progress])
 
 
-def check_image(api, image: str, say: Say) -> None:  # noqa: ANN001 - a JobApi
+def check_image(api: JobApi, image: str, say: Say) -> None:
     """The image carries this client's tpulaunch and Ray (asked of the head: Ray's version from its
     dashboard, tpulaunch's from a one-line job); ClusterError in one line if not."""
     tv, rv = client_versions()
@@ -208,7 +215,8 @@ def check_image(api, image: str, say: Say) -> None:  # noqa: ANN001 - a JobApi
                            f"build the image with ray[default]=={rv} and tpulaunch {tv}")
     say("checking the image's tpulaunch on the head")
     sid = f"tpulaunch-version-{int(time.time() * 1000)}"
-    code = "import json, ray, tpulaunch; print('TPULAUNCH_VERSIONS', json.dumps([tpulaunch.__version__, ray.__version__]))"
+    code = ("import json, ray, tpulaunch;"
+            " print('TPULAUNCH_VERSIONS', json.dumps([tpulaunch.__version__, ray.__version__]))")
     api.submit(entrypoint=f"python3 -c {json.dumps(code)}", submission_id=sid, runtime_env=None,
                metadata={"tpulaunch": "tool", "tool": "version"})
     end = time.monotonic() + 120
@@ -228,10 +236,11 @@ def check_image(api, image: str, say: Say) -> None:  # noqa: ANN001 - a JobApi
     their_tv, their_rv = json.loads(line.split(" ", 1)[1])
     if (their_tv, their_rv) != (tv, rv):
         raise ClusterError(f"the image {image} carries tpulaunch {their_tv} and Ray {their_rv}; this client has"
-                           f" tpulaunch {tv} and Ray {rv}", f"build the image with tpulaunch {tv} and ray[default]=={rv}")
+                           f" tpulaunch {tv} and Ray {rv}",
+                           f"build the image with tpulaunch {tv} and ray[default]=={rv}")
 
 
-def wait_ray(api, slices: list[str], hosts: int, timeout_s: float, say: Say) -> None:  # noqa: ANN001
+def wait_ray(api: JobApi, slices: list[str], hosts: int, timeout_s: float, say: Say) -> None:
     """Until every host of `slices` is an alive Ray node carrying its TPU labels (Ray's node list)."""
     end = time.monotonic() + timeout_s
     last = ""
@@ -342,7 +351,7 @@ class GkeProvider(Provider):
             fwd = _FORWARDS[key] = kube.forward(head["metadata"]["name"], manifest.DASHBOARD_PORT)
         return fwd.url
 
-    def job_api(self, kube: kube_mod.Kube | None = None):  # noqa: ANN201 - a JobApi
+    def job_api(self, kube: kube_mod.Kube | None = None) -> JobApi:
         from tpulaunch.cluster.jobs import JobApi
         from tpulaunch.cluster.record import check_token_file
 
@@ -398,8 +407,9 @@ class GkeProvider(Provider):
                 wid = p["metadata"]["labels"].get(kuberay.HOST, "0")
                 node = (p.get("spec") or {}).get("nodeName")
                 pool = pool or ((nodes.get(node) or {}).get("metadata", {}).get("labels", {}).get(gke.NODEPOOL_LABEL))
+                status = p.get("status") or {}
                 hosts.append({"worker_id": int(wid), "pod": p["metadata"]["name"], "node": node,
-                              "node_ip": (p.get("status") or {}).get("podIP"), "phase": (p.get("status") or {}).get("phase"),
+                              "node_ip": status.get("podIP"), "phase": status.get("phase"),
                               "ready": kuberay._ready(p), "alive": (s.name, wid) in alive, "busy": None})
             maint = pools[pool].maintenance if pool in pools else None
             slices.append({"name": s.name, "pod_type": s.accelerator_type, "topology": s.topology, "node_pool": pool,
@@ -408,7 +418,7 @@ class GkeProvider(Provider):
         return {"schema": "tpulaunch.cluster-status/v1", "address": self.info.address, "emulated": False,
                 "gke": {"raycluster": self.spec.name, "namespace": self.spec.namespace, "owned": self.spec.owned,
                         "head_pod": head["metadata"]["name"] if head else None,
-                        "head_ready": bool(head) and kuberay._ready(head)},
+                        "head_ready": kuberay._ready(head) if head else False},
                 "slices": slices}
 
     def down(self, progress: Progress, wait_s: float = 180.0) -> dict:
@@ -420,14 +430,16 @@ class GkeProvider(Provider):
         kube = self.kube()
         rc = kube.get("RayCluster", self.spec.name)
         if rc is not None and not manifest.is_ours(rc, self.spec.name):
-            raise ClusterError(f"RayCluster {self.spec.name} was not made by tpulaunch (its labels say so): left as it is",
+            raise ClusterError(f"RayCluster {self.spec.name} was not made by tpulaunch (its labels say so):"
+                               " left as it is",
                                "delete it yourself if it is yours (`kubectl delete raycluster ...`)")
         say(f"deleting RayCluster {self.spec.name} and what tpulaunch made for it")
         gone = kuberay.delete_all(kube, self.spec.objects)
         end = time.monotonic() + wait_s
         while kube.list("Pod", kuberay.selector(self.spec.name)):
             if time.monotonic() >= end:
-                raise ClusterError(f"RayCluster {self.spec.name}'s pods were still there {wait_s:g} s after its deletion",
+                raise ClusterError(f"RayCluster {self.spec.name}'s pods were still there {wait_s:g} s after its"
+                                   " deletion",
                                    "run `tpulaunch cluster down` again (the record is kept for it)")
             time.sleep(1.0)
         clear_record()
@@ -500,8 +512,9 @@ class GkeProvider(Provider):
         settle = min(end, time.monotonic() + SETTLE_S)
         while True:
             pods, nodes = self._facts()
+            replicas = max((r for r in wanted.values() if r is not None), default=0) + 1
             now = {sp.name: sorted(w.ip for w in sp.workers) for sp in
-                   kuberay.slices_from_pods(pods, self.spec.group, "", "", max(wanted.values(), default=0) + 1)}
+                   kuberay.slices_from_pods(pods, self.spec.group, "", "", replicas)}
             for s, r in wanted.items():
                 if s not in why and r is not None:
                     w = kuberay.slice_loss(pods, nodes, self.spec.group, r)
@@ -539,7 +552,8 @@ class GkeProvider(Provider):
     def replace_refusal(self) -> str | None:
         return None  # deleting a replica's pods makes KubeRay make it again
 
-    def replace(self, names: list[str], why: str, deadline_s: float, say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
+    def replace(self, names: list[str], why: str, deadline_s: float,
+                say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
         """Delete the slices' pods: KubeRay makes their replicas again (new pods, maybe new nodes)."""
         kube = self.kube()
         pods = kube.list("Pod", kuberay.selector(self.spec.name))
@@ -575,7 +589,8 @@ class GkeProvider(Provider):
                 break
             if time.monotonic() >= end:
                 prog = kuberay.slice_progress(pods, self.spec.group, max(wanted, default=0) + 1, hosts)
-                raise RejoinFailed("not whole again within the wait (" + "; ".join(prog[r].line() for r in wanted) + ")")
+                raise RejoinFailed("not whole again within the wait ("
+                                   + "; ".join(prog[r].line() for r in wanted) + ")")
             time.sleep(1.0)
         _hosts, acc, topo = self._shape()
         n = max(len(self.info.slices), max(wanted, default=0) + 1)

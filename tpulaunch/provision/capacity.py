@@ -72,7 +72,7 @@ def check_order(order: SliceOrder) -> SliceOrder:
     fault, found before the API is asked)."""
     if not re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", order.name):
         raise LaunchError(f"{order.name[:70]!r} is not a name the Cloud TPU API accepts",
-                            "use lowercase letters, digits and dashes, starting with a letter (at most 63)")
+                          "use lowercase letters, digits and dashes, starting with a letter (at most 63)")
     if order.tier not in TIERS:
         raise LaunchError(f"unknown tier '{order.tier}'", f"use one of {', '.join(TIERS)}")
     if not 1 <= order.num_slices <= 1024:
@@ -81,7 +81,7 @@ def check_order(order: SliceOrder) -> SliceOrder:
     gen = topo.generation.name
     if gen not in API_CONFIG_TYPE:
         raise LaunchError(f"{topo.accelerator_type} slices cannot be created through the Cloud TPU API v2"
-                            " (TPU7x is offered through GKE only)", "create it with GKE / xpk")
+                          " (TPU7x is offered through GKE only)", "create it with GKE / xpk")
     if order.num_slices > 1 and gen in ("v2", "v3"):
         raise LaunchError(f"{gen} slices do not form a multislice", "use --num-slices 1")
     return SliceOrder(**{**order.to_dict(), "accelerator_type": topo.accelerator_type,
@@ -133,7 +133,7 @@ class QrState:
     body: dict | None = None  # what it was created with (for `recreate`)
 
 
-def _state(qr) -> QrState:  # noqa: ANN001 - tpu_v2.QueuedResource
+def _state(qr) -> QrState:  # tpu_v2.QueuedResource
     from google.cloud import tpu_v2
 
     doc = json.loads(tpu_v2.QueuedResource.to_json(qr, use_integers_for_enums=False))

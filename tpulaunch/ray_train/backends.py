@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import ray.train
 from ray.train.backend import Backend
 from ray.train.v2.jax.config import JaxConfig
 
@@ -42,7 +43,7 @@ def _worker_facts() -> WorkerFacts:
     from tpulaunch.host.tpu_holders import tpu_devices
 
     rc = ray.get_runtime_context()
-    labels = {k: (v[0] if isinstance(v, list) and v else v) for k, v in dict(rc.get_node_labels()).items()}
+    labels = {k: _label_value(v) for k, v in dict(rc.get_node_labels()).items()}
     worker = labels.get(WORKER) or os.environ.get("TPU_WORKER_ID")
     return WorkerFacts(
         rank=ray.train.get_context().get_world_rank(), ip=ray.util.get_node_ip_address(),
@@ -54,6 +55,13 @@ def _worker_facts() -> WorkerFacts:
     )
 
 
+def _label_value(value: str | list[str]) -> str | None:
+    """A node label's value: Ray annotates a list (of one); it may give the string itself."""
+    if isinstance(value, list):
+        return value[0] if value else None
+    return value
+
+
 def _free_ports(n: int) -> list[int]:
     from tpulaunch.cluster.ports import free_ports
 
@@ -63,7 +71,7 @@ def _free_ports(n: int) -> list[int]:
 def _storage_path() -> str:
     try:
         return str(ray.train.get_context().get_storage().experiment_fs_path)
-    except Exception:  # noqa: BLE001 - only a place context().log_dir points at
+    except Exception:  # only a place context().log_dir points at
         return ""
 
 
@@ -87,7 +95,7 @@ def _boot_worker(state_blob: bytes, env: dict[str, str], local_index: int | None
         bootstrap.boot(state, local_index)
     except TpulaunchError as e:
         return e.line()
-    except Exception as e:  # noqa: BLE001 - the reason goes to the driver, the traceback to the worker log
+    except Exception as e:  # the reason goes to the driver, the traceback to the worker log
         traceback.print_exc()
         return f"framework boot failed: {type(e).__name__}: {e}"
     return None
@@ -123,7 +131,7 @@ class _SliceBackend(Backend):
             # reserved (a second fit() in the same driver then waits forever). Release it here.
             try:
                 worker_group.shutdown()
-            except Exception:  # noqa: BLE001 - the reason below matters more
+            except Exception:  # the reason below matters more
                 pass
             raise SliceSetupError(f"tpulaunch: {e.line()}") from None
 
@@ -148,8 +156,8 @@ class _SliceBackend(Backend):
             reason = ray.get(fut)
             if reason:
                 s = states[rank]
-                failed.append(f"host {s.process_index} (slice {s.slice_name} worker {s.worker_id}, Ray Train rank {rank}):"
-                              f" {reason}")
+                failed.append(f"host {s.process_index} (slice {s.slice_name} worker {s.worker_id},"
+                              f" Ray Train rank {rank}): {reason}")
         if failed:
             more = f" (and {len(failed) - 1} more host(s))" if len(failed) > 1 else ""
             raise SliceSetupError(failed[0] + more)
@@ -202,7 +210,9 @@ class _SliceOptions:
         self.env = dict(self.env or {})
 
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "mesh": self.mesh, "dcn": self.dcn, "placement": self.placement}  # type: ignore[misc]
+        # a mixin: the Ray config after it in each config's MRO (JaxConfig, TorchConfig) has to_dict
+        base = super().to_dict()  # type: ignore[misc]  # (mypy sees only `object` above the mixin)
+        return {**base, "mesh": self.mesh, "dcn": self.dcn, "placement": self.placement}
 
 
 @dataclass

@@ -83,10 +83,10 @@ def plan_for_workers(
                 f" on TPU workers {ids}", _ONE_PER_DEVICE if per_device else _ONE_PER_HOST)
     if per_device:
         counts = collections.Counter((f.slice_name, f.worker_id) for f in facts)
-        for (name, wid), n in sorted(counts.items()):
+        for (slice_name, wid), n in sorted(counts.items()):
             if n != topology.devices_per_host:
-                raise LaunchError(f"TPU worker {wid} of slice {name} has {n} Ray Train workers, not one per device"
-                                  f" ({topology.devices_per_host})", _ONE_PER_DEVICE)
+                raise LaunchError(f"TPU worker {wid} of slice {slice_name} has {n} Ray Train workers, not one per"
+                                  f" device ({topology.devices_per_host})", _ONE_PER_DEVICE)
     emulated = slices[0].emulated
     plan = build_plan(
         slices=slices, mesh=plan_mesh(topology, mesh, dcn, len(slices), placement), script="<ray-train>",
@@ -98,7 +98,8 @@ def plan_for_workers(
         compile_cache=(default_compile_cache(framework, topology, len(slices), emulated) if compile_cache is True
                        else compile_cache or None),
     ).for_attempt(attempt)
-    by_host = {(h.slice_name, h.worker_id): h.process_index for h in plan.hosts}
+    by_host: dict[tuple[str | None, int | None], int] = {(h.slice_name, h.worker_id): h.process_index
+                                                         for h in plan.hosts}
     states = {f.rank: plan.state(by_host[(f.slice_name, f.worker_id)]) for f in facts}
     return plan, states
 

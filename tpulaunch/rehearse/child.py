@@ -14,6 +14,7 @@ with exit 88 before that. The exit code is otherwise the script's.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -21,8 +22,14 @@ import runpy
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tpulaunch.plan.contract import HostState
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from tpulaunch.rehearse.report import Program
 
 
 @dataclass(frozen=True)
@@ -35,7 +42,7 @@ class Job:
     hbm_bytes: int  # per device
 
 
-def _mesh(state: HostState):  # noqa: ANN202 - jax.sharding.Mesh
+def _mesh(state: HostState) -> Mesh:
     """The plan's mesh over this process's CPU devices: CPU device `i` is plan device `i`."""
     import jax
     import numpy as np
@@ -54,7 +61,8 @@ def _mesh(state: HostState):  # noqa: ANN202 - jax.sharding.Mesh
 
 def main(argv: list[str]) -> int:
     for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True)
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
     with open(argv[0], "rb") as f:
         job: Job = pickle.load(f)
     from tpulaunch.errors import TpulaunchError
@@ -62,7 +70,7 @@ def main(argv: list[str]) -> int:
     from tpulaunch.rehearse import jax_compile
     from tpulaunch.rehearse.report import verdict
 
-    records = open(job.programs_path, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's life
+    records = open(job.programs_path, "a", encoding="utf-8")  # open for the process's life: no `with`
     try:
         import jax
 
@@ -71,12 +79,12 @@ def main(argv: list[str]) -> int:
     except TpulaunchError as e:
         print(f"tpulaunch: rehearsal: {e.line()}", file=sys.stderr)
         return 86
-    except Exception:  # noqa: BLE001 - libtpu or JAX could not start: say what
+    except Exception:  # libtpu or JAX could not start: say what
         print("tpulaunch: rehearsal: could not describe the target TPU or build the mesh", file=sys.stderr)
         traceback.print_exc()
         return 86
 
-    def record(program) -> str | None:  # noqa: ANN001 - report.Program
+    def record(program: Program) -> str | None:
         stop = verdict(program, job.hbm_bytes, target.device_kind)
         records.write(json.dumps({"program": program.to_dict(), "stop": stop}) + "\n")
         records.flush()
@@ -97,7 +105,7 @@ def main(argv: list[str]) -> int:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - the script's traceback, as a host shows it
+    except BaseException:  # the script's traceback, as a host shows it
         traceback.print_exc()
         code = 1
     records.close()

@@ -147,7 +147,8 @@ class Report:
                          share(p.total_bytes, self.hbm_bytes), coll))
         widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
         fmt = [("<" if i in (0, 8) else ">") for i in range(len(head))]
-        return ["  ".join(f"{c:{a}{w}}" for c, a, w in zip(r, fmt, widths)).rstrip() for r in (head, *body)]
+        return ["  ".join(f"{c:{a}{w}}" for c, a, w in zip(r, fmt, widths, strict=True)).rstrip()
+                for r in (head, *body)]
 
     def verdict_line(self) -> str:
         if self.stopped:

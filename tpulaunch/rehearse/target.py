@@ -10,7 +10,6 @@ tpulaunch's, the difference is data here (`KNOWN_DIFFERENCES`), checked by
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,8 +140,8 @@ def describe(args: dict) -> list[dict]:
 
     from tpulaunch.host.frameworks.jax import device_attributes
 
-    return [{**device_attributes(d), "device_kind": d.device_kind}
-            for d in topologies.get_topology_desc(**args).devices]
+    devices: list[Any] = topologies.get_topology_desc(**args).devices  # jaxlib's Device: a C type, no stubs
+    return [{**device_attributes(d), "device_kind": d.device_kind} for d in devices]
 
 
 def host_blocks(devices: Sequence[Mapping[str, Any]]) -> dict[int, tuple[tuple[int, int, int], ...]]:
@@ -168,7 +167,7 @@ def devices_per_chip(devices: Sequence[Mapping[str, Any]]) -> int:
 def chips_per_host_bounds(devices: Sequence[Mapping[str, Any]]) -> tuple[int, int, int]:
     """The block of chips one host holds, from libtpu's devices (process 0's extent)."""
     mine = [tuple(int(c) for c in a["coords"]) for a in devices if int(a["process_index"]) == 0]
-    bounds = tuple(max(c[k] for c in mine) - min(c[k] for c in mine) + 1 for k in range(3))
-    if math.prod(bounds) != len(set(mine)):
+    x, y, z = (max(c[k] for c in mine) - min(c[k] for c in mine) + 1 for k in range(3))
+    if x * y * z != len(set(mine)):
         raise ValueError(f"process 0's chips are no block: {sorted(set(mine))}")
-    return bounds  # type: ignore[return-value]
+    return x, y, z

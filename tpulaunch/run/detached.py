@@ -21,8 +21,10 @@ import os
 import re
 import shlex
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tpulaunch import discover
 from tpulaunch.cluster.jobs import JobApi, JobInfo
@@ -32,6 +34,10 @@ from tpulaunch.plan.launch import new_run_id
 from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.prepare import LaunchRequest
 from tpulaunch.run.status import RunState, RunView
+
+if TYPE_CHECKING:
+    from tpulaunch.run.execute import Sink
+    from tpulaunch.run.summary import RunSummary
 
 RUNS_SUBDIR = "tpulaunch/runs"  # under the head's Ray log directory
 META_KEY = "tpulaunch"  # every job tpulaunch submits carries metadata {"tpulaunch": "run", ...}
@@ -64,7 +70,8 @@ def read_request_document(data: bytes) -> LaunchRequest:
     from tpulaunch.errors import TpulaunchError
 
     if len(data) > MAX_REQUEST_BYTES:
-        raise TpulaunchError(f"the run's request is {len(data)} bytes, more than {MAX_REQUEST_BYTES}", "submit it again")
+        raise TpulaunchError(f"the run's request is {len(data)} bytes, more than {MAX_REQUEST_BYTES}",
+                             "submit it again")
     try:
         doc = json.loads(data.decode())
     except (UnicodeDecodeError, ValueError):
@@ -94,7 +101,7 @@ def take_request(uri: str) -> LaunchRequest:
     if not address:
         raise TpulaunchError("a supervisor runs as a Ray job (RAY_ADDRESS names its cluster)",
                              "`tpulaunch run --detach` starts these")
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # in the .so; _raylet.pyi omits it
 
     gcs = GcsClient(address=address.removeprefix("ray://"))
     key = uri.encode()
@@ -135,11 +142,11 @@ def _dashboard_from_gcs(cluster: ClusterInfo) -> str:
         os.environ.setdefault(k, v)
     try:
         with RaysStderr() as said:  # Ray's own complaints stay off the terminal
-            from ray._raylet import GcsClient
+            from ray._raylet import GcsClient  # type: ignore[attr-defined]  # in the .so; _raylet.pyi omits it
 
             raw = GcsClient(address=cluster.address.removeprefix("ray://")).internal_kv_get(
                 b"webui:url", namespace=b"dashboard", timeout=10)
-    except Exception as e:  # noqa: BLE001 - Ray raises many types
+    except Exception as e:  # Ray raises many types
         if said.rejected() or is_auth_error(e):
             raise token_refused(cluster) from None
         raise ClusterError(f"could not ask the cluster at {cluster.address} where its dashboard is: {type(e).__name__}",
@@ -360,8 +367,8 @@ def driver_output(api: JobApi, job: JobInfo) -> str:
     return run_output(text)
 
 
-def follow_driver_log(api: JobApi, run_id: str, poll_s: float = 0.5,  # noqa: ANN201 - Iterator[str]
-                      require_log: bool = False):
+def follow_driver_log(api: JobApi, run_id: str, poll_s: float = 0.5,
+                      require_log: bool = False) -> Iterator[str]:
     """The supervisor's output as it grows (whole lines), until the run ends (then the rest);
     with `require_log`, `no_log` if it ended with none (`tpulaunch logs`; a `run --follow` ends
     with the run's own exit code instead)."""
@@ -383,7 +390,7 @@ def follow_driver_log(api: JobApi, run_id: str, poll_s: float = 0.5,  # noqa: AN
         time.sleep(poll_s)
 
 
-def follow_host_log(api: JobApi, job: JobInfo, host: int, attempt: int | None, follow: bool):  # noqa: ANN201
+def follow_host_log(api: JobApi, job: JobInfo, host: int, attempt: int | None, follow: bool) -> Iterator[str]:
     """One host's whole log of one attempt (default: the run's latest), as it grows when `follow`."""
     from tpulaunch.errors import TpulaunchError
 
@@ -423,7 +430,7 @@ def follow_host_log(api: JobApi, job: JobInfo, host: int, attempt: int | None, f
 class StatusFile:
     """A sink that passes everything on and keeps `status.json` of the run up to date."""
 
-    def __init__(self, inner, path: Path, script: str) -> None:  # noqa: ANN001 - a run.Sink
+    def __init__(self, inner: Sink, path: Path, script: str) -> None:
         self.inner, self.path, self.script = inner, path, script
         self.started = time.time()
         self.history: tuple[dict, ...] = ()
@@ -443,18 +450,20 @@ class StatusFile:
                                                 updated=time.time()))
         self.inner.status(view)
 
-    def finished(self, summary) -> None:  # noqa: ANN001 - a RunSummary
+    def finished(self, summary: RunSummary) -> None:
         """The end: the state and exit code the run ended with."""
         from tpulaunch.run.summary import Outcome, attempts_brief
 
-        state = {Outcome.OK: RunState.SUCCEEDED, Outcome.INTERRUPTED: RunState.STOPPED}.get(summary.outcome, RunState.FAILED)
+        ended = {Outcome.OK: RunState.SUCCEEDED, Outcome.INTERRUPTED: RunState.STOPPED}
+        state = ended.get(summary.outcome, RunState.FAILED)
         from tpulaunch.run.status import HostPhase, HostView
 
         last = summary.attempts[-1].index if summary.attempts else 0
         hosts = tuple(HostView(h.process_index, h.slice_index, h.worker_id,
-                               HostPhase.LOST if h.lost else HostPhase.STOPPED if h.stopped_by_tpulaunch else HostPhase.EXITED,
+                               HostPhase.LOST if h.lost
+                               else HostPhase.STOPPED if h.stopped_by_tpulaunch else HostPhase.EXITED,
                                h.exit_code, None, "", h.reason, h.step, h.step_rate) for h in summary.hosts)
-        view = RunView(summary.run_id, state, last, hosts, attempts_brief(summary.attempts), exit_code=summary.exit_code,
-                       note=summary.note)
+        view = RunView(summary.run_id, state, last, hosts, attempts_brief(summary.attempts),
+                       exit_code=summary.exit_code, note=summary.note)
         self.history = view.attempts
         self.status(view)

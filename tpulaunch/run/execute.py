@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from tpulaunch.discover.ray_labels import SLICE as LABEL_SLICE
 from tpulaunch.discover.ray_labels import WORKER as LABEL_WORKER
@@ -34,14 +34,20 @@ from tpulaunch.run.record.timeline import Timeline
 from tpulaunch.run.status import RunState, RunView
 from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from tpulaunch.host.agent import HostAgent
+
 HEAD_PROBE_EVERY_S = 2.0
 STATUS_EVERY_S = 2.0  # how often the sink hears where every host is
 STOP_DRAIN_S = 15.0  # after stopping every host: how long to wait for their last words, beyond the grace
 
 
-class Sink:
+class Sink(Protocol):
     """Where host output, progress and the run's status go (the CLI renders; a detached run's
-    supervisor also writes the status to `status.json`; tests collect)."""
+    supervisor also writes the status to `status.json`; tests collect). A protocol: the client's
+    `PrintSink` and the supervisor's `StatusFile` are sinks without importing this module."""
 
     def host_line(self, process: int, stream: str, text: str) -> None:
         raise NotImplementedError
@@ -148,7 +154,7 @@ def host_options(plan: LaunchPlan, limits: Limits) -> HostOptions:
 class Placed:
     """Each host's agent handle, what it said of itself, and the hosts whose agent died first."""
 
-    agents: list
+    agents: list[ActorHandle[HostAgent]]
     infos: list[AgentInfo]
     dead: dict[int, tuple[Cause, str]]
 
@@ -158,7 +164,7 @@ def place_agents(plan: LaunchPlan, timeout_s: float, interrupts: Interrupts) -> 
     An agent that died before it answered (its node gone as it started) is its host's loss."""
     import ray
 
-    agents = [agent_for(h.slice_name, h.worker_id) for h in plan.hosts]
+    agents = [cast("ActorHandle[HostAgent]", agent_for(h.slice_name, h.worker_id)) for h in plan.hosts]
     refs = [a.info.remote() for a in agents]
     if not _wait_ready(refs, timeout_s, interrupts):
         if interrupts.received is None:
@@ -176,7 +182,7 @@ def place_agents(plan: LaunchPlan, timeout_s: float, interrupts: Interrupts) -> 
             dead[i] = (cause, f"{why} as its agent started" + (f": {ray_says}" if ray_says else ""))
     if dead:
         return Placed(agents, [], dead)
-    for h, info in zip(plan.hosts, infos):
+    for h, info in zip(plan.hosts, infos, strict=True):
         got = (info.labels.get(LABEL_SLICE), info.labels.get(LABEL_WORKER))
         if got != (h.slice_name, str(h.worker_id)):
             raise ClusterError(f"host agent {h.process_index} landed on {got}, not ({h.slice_name}, {h.worker_id})",
@@ -223,7 +229,7 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
             if placed is not None and not placed.dead:
                 agents, infos = placed.agents, placed.infos
                 raylets = _raylets(infos)
-                for r, info in zip(hosts, infos):
+                for r, info in zip(hosts, infos, strict=True):
                     r.node_ip = info.node_ip
                 fleet = RayFleet(agents, raylets)
                 probe = (lambda: reachable(gcs_address)) if gcs_address else None
@@ -245,7 +251,7 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
             if pg is not None:
                 try:
                     remove_placement_group(pg)
-                except Exception:  # noqa: BLE001
+                except Exception:  # best effort: the attempt is over either way
                     pass
     if watch.signal is None and interrupts.received is not None and watch.outcome is None:
         watch.check(time.monotonic(), interrupts.received)  # interrupted before the hosts ran
@@ -269,8 +275,8 @@ def attempt_watch(plan: LaunchPlan, limits: Limits) -> tuple[HostLogs, W.Attempt
 
 
 def drive(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink, logs: HostLogs, limits: Limits,
-          interrupts: Interrupts, timings: dict, probe_head=None, t0: float | None = None,  # noqa: ANN001
-          timeline: Timeline | None = None) -> bool:
+          interrupts: Interrupts, timings: dict, probe_head: Callable[[], bool] | None = None,
+          t0: float | None = None, timeline: Timeline | None = None) -> bool:
     """One attempt on hosts whose agents are placed: preflight, start, supervise until every host
     is over. Returns True when the Ray head was lost. `t0`: when the attempt began (timings).
     (The scale harness drives this with simulated hosts.)"""
@@ -352,7 +358,7 @@ def _raylets(infos: list[AgentInfo]) -> list[str]:
 
 
 def supervise(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink, logs: HostLogs, limits: Limits,
-              interrupts: Interrupts, timings: dict, probe_head=None) -> bool:  # noqa: ANN001 - () -> bool
+              interrupts: Interrupts, timings: dict, probe_head: Callable[[], bool] | None = None) -> bool:
     """Run the attempt until every host is over. Returns True when the Ray head was lost."""
     t0 = time.time()
     stop_deadline: float | None = None  # once every host was told to stop: how long we wait for them
@@ -427,10 +433,11 @@ def _carry_out(action: W.StopOthers | W.StopAll, plan: LaunchPlan, fleet: Fleet,
         if action.outcome is Outcome.STALLED:  # which hosts caused it: what the others wait for
             from tpulaunch.run import hang
 
-            watch.hang = hang.triage(by_process, [hang.HostRef(h.process_index, h.slice_index, h.worker_id)
-                                                   for h in plan.hosts])
-            watch.note = (f"{action.why}; {watch.hang.line}; stacks in {paths.attempt(plan.attempt)}/host-<i>.stacks.txt"
+            hung = hang.triage(by_process, [hang.HostRef(h.process_index, h.slice_index, h.worker_id)
+                                            for h in plan.hosts])
+            watch.hang = hung
+            watch.note = (f"{action.why}; {hung.line}; stacks in {paths.attempt(plan.attempt)}/host-<i>.stacks.txt"
                           f" ({where})")
-            sink.progress(watch.hang.line)
+            sink.progress(hung.line)
     fleet.stop(action.hosts, limits.grace_s)
     return time.monotonic() + limits.grace_s + STOP_DRAIN_S

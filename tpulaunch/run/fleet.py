@@ -115,7 +115,7 @@ class RayFleet:
     def start(self, states: list[HostState], options: HostOptions, timeout_s: float) -> list[Started]:
         import ray
 
-        refs = [a.start.remote(s, options) for a, s in zip(self.agents, states)]
+        refs = [a.start.remote(s, options) for a, s in zip(self.agents, states, strict=True)]
         started = ray.get(refs, timeout=timeout_s)
         now = time.monotonic()
         for i in range(len(self.agents)):
@@ -127,7 +127,7 @@ class RayFleet:
                   timeout_s: float) -> list[PreflightReport]:
         import ray
 
-        refs = [a.preflight.remote(s, options, r) for a, s, r in zip(self.agents, states, requests)]
+        refs = [a.preflight.remote(s, options, r) for a, s, r in zip(self.agents, states, requests, strict=True)]
         return ray.get(refs, timeout=timeout_s)
 
     def _arm(self, i: int) -> None:
@@ -168,9 +168,10 @@ class RayFleet:
                 cause, why = self._why_dead(i, e)
                 out.append(Gone(i, cause, why))
                 continue
-            except Exception as e:  # noqa: BLE001 - anything else from the call: this host's, not its peers'
+            except Exception as e:  # anything else from the call: this host's, not its peers'
                 self._done.add(i)
-                out.append(Gone(i, Cause.AGENT_DIED, f"agent failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+                first = str(e).splitlines()[0] if str(e) else ""
+                out.append(Gone(i, Cause.AGENT_DIED, f"agent failed: {type(e).__name__}: {first}"))
                 continue
             self._unanswered_since[i] = now
             if reply.code is not None:
@@ -206,7 +207,7 @@ class RayFleet:
         for i, ref in refs.items():
             try:
                 out[i] = ray.get(ref, timeout=timeout_s)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 out[i] = f"(no dump: {e})"
         return out
 
@@ -216,7 +217,7 @@ class RayFleet:
         refs = [a.release.remote(prewarm[i] if prewarm else None) for i, a in enumerate(self.agents)]
         try:
             ray.wait(refs, num_returns=len(refs), timeout=15)
-        except Exception:  # noqa: BLE001 - an agent lost with its node
+        except Exception:  # an agent lost with its node
             pass
 
 

@@ -15,6 +15,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any, cast
 
 from tpulaunch import discover
 from tpulaunch.cluster import emulated, reaper
@@ -35,6 +38,11 @@ from tpulaunch.run.record.timeline import Timeline
 from tpulaunch.run.summary import Attempt, Outcome, RunSummary, exit_code_for
 from tpulaunch.run.supervision import Lifecycle
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from tpulaunch.host.agent import HostAgent
+
 
 class Interrupted(BaseException):
     """A SIGINT/SIGTERM while something blocking ran (cluster start, connect)."""
@@ -51,7 +59,7 @@ class Interrupts:
     def __init__(self) -> None:
         self.received: int | None = None
         self.raise_now = True
-        self._old: dict[int, object] = {}
+        self._old: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}  # what signal.signal returns
 
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
@@ -67,7 +75,7 @@ class Interrupts:
 
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
-            signal.signal(sig, old)  # type: ignore[arg-type]
+            signal.signal(sig, old)
 
 
 class Connection:
@@ -196,7 +204,8 @@ def _early(cluster: ClusterInfo, conn: Connection, plan: LaunchPlan, refs: list)
     framework import as soon as its node joins, while the other nodes are still starting."""
     conn.connect(cluster)
     if not plan.job.command:
-        refs.extend(agent_for(h.slice_name, h.worker_id).prewarm.remote(state) for h, state in zip(plan.hosts, plan.states()))
+        refs.extend(cast("ActorHandle[HostAgent]", agent_for(h.slice_name, h.worker_id)).prewarm.remote(state)
+                    for h, state in zip(plan.hosts, plan.states(), strict=True))
 
 
 def _wait(refs: list, timeout_s: float) -> None:

@@ -112,7 +112,8 @@ def _versions(reports: list[PreflightReport]) -> list[Finding]:
 
 def _code(plan: LaunchPlan, reports: list[PreflightReport]) -> list[Finding]:
     out = []
-    for key, what in (("script_sha256", f"the script {plan.job.script}"), ("workdir_sha256", "the working directory's Python files")):
+    for key, what in (("script_sha256", f"the script {plan.job.script}"),
+                      ("workdir_sha256", "the working directory's Python files")):
         seen: dict[str, list[int]] = defaultdict(list)
         for r in reports:
             if r.probe.get(key):
@@ -120,8 +121,9 @@ def _code(plan: LaunchPlan, reports: list[PreflightReport]) -> list[Finding]:
         if len(seen) > 1:
             common = max(seen, key=lambda d: len(seen[d]))
             odd = [p for d, ps in seen.items() if d != common for p in ps]
+            other = next(d for d in seen if d != common)
             out.append(Finding(True, tuple(odd), f"{_hosts(odd)} would run other code than the others: {what} differs"
-                                                 f" (sha256 {next(d for d in seen if d != common)[:12]} vs {common[:12]})",
+                                                 f" (sha256 {other[:12]} vs {common[:12]})",
                                "give every host the same files (ship the working directory, or sync it)"))
     return out
 
@@ -179,8 +181,8 @@ def _identity(plan: LaunchPlan, by_proc: dict[int, PreflightReport]) -> list[Fin
                                "each TPU worker of a slice must carry its own id (check the nodes' labels)"))
     slice_ids = sorted({h.slice_index for h in plan.hosts})
     if plan.mesh.num_slices > 1 and slice_ids != list(range(plan.mesh.num_slices)):
-        out.append(Finding(True, (), f"the plan's MEGASCALE slice ids are {slice_ids} for {plan.mesh.num_slices} slices",
-                           "report this bug"))
+        out.append(Finding(True, (), f"the plan's MEGASCALE slice ids are {slice_ids} for {plan.mesh.num_slices}"
+                                     " slices", "report this bug"))
     return out
 
 

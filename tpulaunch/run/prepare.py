@@ -30,8 +30,8 @@ from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.run.policy import Budgets
 from tpulaunch.run.supervision import Lifecycle, Recovery, Supervision, Watching
 
-WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache", ".ruff_cache",
-                    "node_modules"]
+WORKDIR_EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache",
+                    ".ruff_cache", "node_modules"]
 
 
 def read_env_file(path: str) -> str:
@@ -94,16 +94,19 @@ class LaunchRequest:
     preemption_wait: float = 600.0  # how long to wait for the slice to be whole again
     preemption_grace: float = 30.0  # a preempted script's time between SIGTERM and SIGKILL
     recreate: bool = False  # a preempted slice is made again through the Cloud TPU API (`run.recovery.recreate`)
-    replace_hung: bool = False  # a hang's culprit slices are replaced (a spare, re-created, or dropped) and the run restarts
+    # a hang's culprit slices are replaced (a spare, re-created, or dropped) and the run restarts
+    replace_hung: bool = False
     compile_cache: str | None = None  # persistent compilation cache dir; None: the default one
     no_compile_cache: bool = False
     python: str | None = None  # the interpreter each host runs the script with (its own environment)
     min_slices: int | None = None  # elastic: go on with at least this many slices after one is lost
-    grow_after: float | None = None  # elastic: grow back this long after the lost slices are back (None: at a checkpoint)
+    # elastic: grow back this long after the lost slices are back (None: at a checkpoint)
+    grow_after: float | None = None
     cpu_devices: bool = False  # on a real cluster, CPU devices stand in for the chips (a CI cluster with no TPU)
     keep_cluster: bool = False  # leave an emulated cluster this run starts up for the next runs
     idle_timeout: float = 1800.0  # ... and stop it after this long unused
-    rehearse: bool = False  # compile every program for the target TPU in one process here, instead of launching (`tpulaunch.rehearse`)
+    # compile every program for the target TPU in one process here, instead of launching (`tpulaunch.rehearse`)
+    rehearse: bool = False
 
 
 @dataclass(frozen=True)
@@ -217,9 +220,11 @@ def checked_workdir(req: LaunchRequest) -> Path:
     if not workdir.exists():
         raise LaunchError(f"working directory {req.workdir} does not exist", "pass an existing --workdir")
     if not workdir.is_dir():
-        raise LaunchError(f"working directory {req.workdir} is a file, not a directory", "pass a directory as --workdir")
+        raise LaunchError(f"working directory {req.workdir} is a file, not a directory",
+                          "pass a directory as --workdir")
     if not os.access(workdir, os.R_OK | os.X_OK):
-        raise LaunchError(f"working directory {req.workdir} cannot be read by this user", "pass a directory you can read")
+        raise LaunchError(f"working directory {req.workdir} cannot be read by this user",
+                          "pass a directory you can read")
     return workdir
 
 
@@ -306,7 +311,8 @@ def prepare(checked: LaunchRequest | Checked, target: Target, seen: discover.Clu
         if not req.max_preemptions:
             raise LaunchError("--min-slices needs --max-preemptions: shrinking after a lost slice counts as one",
                               "add --max-preemptions N (how many lost slices the run may survive)")
-    if req.grow_after is not None and (req.min_slices is None or not math.isfinite(req.grow_after) or req.grow_after < 0):
+    if req.grow_after is not None and (req.min_slices is None or not math.isfinite(req.grow_after)
+                                       or req.grow_after < 0):
         raise LaunchError(f"--grow-after {req.grow_after:g} needs --min-slices and 0 or more seconds",
                           "e.g. --min-slices 1 --grow-after 60 (default: grow at the first checkpoint)")
     c.supervision.check(cluster, local)
@@ -347,6 +353,7 @@ def _warm_cluster_for(req: LaunchRequest) -> ClusterInfo | None:
         return None  # another slice: start a cluster of its own
     from tpulaunch.cluster import reaper
 
+    assert rec.temp_dir is not None  # running_here: its temp dir carries its marker
     reaper.touch(rec.temp_dir)  # taken: its idle reaper waits again from now (the run marks it in use once connected)
     return rec
 
@@ -381,7 +388,8 @@ def validate(req: LaunchRequest) -> dict[str, str]:
     if req.coordinator_port is not None and not 0 < req.coordinator_port <= 65533:
         raise LaunchError(f"--coordinator-port {req.coordinator_port} is not a TCP port", "use 1-65533")
     if req.command and not any(w.strip() for w in req.command):
-        raise LaunchError("the command to run is empty", "write it after --, e.g. tpulaunch exec --topology 2x8 -- hostname")
+        raise LaunchError("the command to run is empty",
+                          "write it after --, e.g. tpulaunch exec --topology 2x8 -- hostname")
     if not req.command and not req.script.strip():
         raise LaunchError("no script given", "tpulaunch run SCRIPT.py --topology 2x8")
     if req.rehearse and (req.address is not None or req.python is not None):
@@ -415,7 +423,8 @@ def check_log_dir(log_dir: str, flag: str = "--log-dir") -> Path:
     if not existing.is_dir():
         raise LaunchError(f"{flag} {log_dir}: {existing} is a file, not a directory", "give a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise LaunchError(f"{flag} {log_dir}: {existing} is not writable by this user", "give a directory you can write")
+        raise LaunchError(f"{flag} {log_dir}: {existing} is not writable by this user",
+                          "give a directory you can write")
     return path
 
 
@@ -437,7 +446,8 @@ def workdir_runtime_env(workdir: str, max_mb: float, also_exclude: list[str] | N
                 pass
     if total > max_mb * 1024 * 1024:
         raise LaunchError(
-            f"the working directory {workdir} is {total / 2**20:.1f} MiB, over the {max_mb:g} MiB limit for shipping to hosts",
+            f"the working directory {workdir} is {total / 2**20:.1f} MiB, over the {max_mb:g} MiB limit for shipping"
+            " to hosts",
             "run from a smaller directory, move data out of it, or raise --max-upload-mb",
         )
     return {"working_dir": str(root), "excludes": [*WORKDIR_EXCLUDES, *(also_exclude or ())]}

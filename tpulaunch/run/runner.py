@@ -11,6 +11,7 @@ One choice, made once (`choose`), by the CLI and the Python client alike:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def choose(req: LaunchRequest, *, detach: bool = False, dry_run: bool = False) -
     return Here(target)
 
 
-def supervise(req: LaunchRequest, sink_for) -> RunSummary:  # noqa: ANN001 - Callable[[Prepared], StatusFile]
+def supervise(req: LaunchRequest, sink_for: Callable[[Prepared], detached.StatusFile]) -> RunSummary:
     """A detached run's supervisor, in its Ray job on the head: `Here` with the run's files under the
     head's Ray log directory (served by Ray's log API) and `status.json` kept up to date."""
     from tpulaunch.cluster.connect import logs_dir

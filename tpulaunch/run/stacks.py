@@ -14,15 +14,24 @@ files are on the head), and this side prints what it answered.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from tpulaunch.errors import LaunchError
-from tpulaunch.host.protocol import AgentInfo
+from tpulaunch.host.protocol import AgentInfo, HostRun
 from tpulaunch.run.paths import RunPaths
 from tpulaunch.run.watch import where_hosts_are
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from tpulaunch.host.agent import HostAgent
+
 DUMP_TIMEOUT_S = 30.0
+
+H = TypeVar("H")  # an agent's handle (`pick` is pure: any value stands for one)
 
 
 @dataclass(frozen=True)
@@ -42,13 +51,13 @@ class Stacks:
                 "files": {str(i): str(RunPaths.stacks_file(Path(self.dir), i)) for i in sorted(self.dumps)}}
 
 
-def serving_agents() -> list[tuple[object, AgentInfo]]:
+def serving_agents() -> list[tuple[ActorHandle[HostAgent], AgentInfo]]:
     """Every host agent on the connected cluster with a host process running, and what it serves."""
     import ray
 
     from tpulaunch.host.agent import NAMESPACE
 
-    handles = []
+    handles: list[ActorHandle[HostAgent]] = []
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["namespace"] == NAMESPACE and a["name"].startswith("tpulaunch-agent-"):
             try:
@@ -58,34 +67,35 @@ def serving_agents() -> list[tuple[object, AgentInfo]]:
     refs = [h.info.remote() for h in handles]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=15.0) if refs else ([], [])
     out = []
-    for h, ref in zip(handles, refs):
+    for h, ref in zip(handles, refs, strict=True):
         if ref in ready:
             try:
                 info = ray.get(ref)
-            except Exception:  # noqa: BLE001 - an agent lost with its node: it serves nothing
+            except Exception:  # an agent lost with its node: it serves nothing
                 continue
             if info.run is not None:
                 out.append((h, info))
     return out
 
 
-def pick(agents: list[tuple[object, AgentInfo]], run: str) -> tuple[str, int, list[tuple[object, AgentInfo]]]:
-    """The run's id, its current attempt and its hosts' agents. `run`: an id, or `last` (the one
-    run going on; several: an error naming them). Pure."""
-    runs = sorted({info.run.run_id for _h, info in agents if info.run is not None})
+def pick(agents: Sequence[tuple[H, AgentInfo]], run: str) -> tuple[str, int, list[tuple[H, HostRun]]]:
+    """The run's id, its current attempt and its hosts' agents, each with what it serves. `run`: an
+    id, or `last` (the one run going on; several: an error naming them). Pure."""
+    serving = [(h, info.run) for h, info in agents if info.run is not None]
+    runs = sorted({r.run_id for _h, r in serving})
     if run == "last":
         if not runs:
             raise LaunchError("no run is going on on this cluster", "`tpulaunch runs` lists the detached runs")
         if len(runs) > 1:
             raise LaunchError(f"{len(runs)} runs are going on: {', '.join(runs)}", "name one: `tpulaunch stacks RUN`")
         run = runs[0]
-    mine = [(h, i) for h, i in agents if i.run is not None and i.run.run_id == run]
+    mine = [(h, r) for h, r in serving if r.run_id == run]
     if not mine:
         going = ", ".join(runs) or "none"
         raise LaunchError(f"run {run} has no host running on this cluster (runs going on: {going})",
                           "a run's stacks can be taken while it runs; an ended run's are in its logs")
-    attempt = max(i.run.attempt for _h, i in mine)
-    mine = sorted([(h, i) for h, i in mine if i.run.attempt == attempt], key=lambda hi: hi[1].run.process_index)
+    attempt = max(r.attempt for _h, r in mine)
+    mine = sorted([(h, r) for h, r in mine if r.attempt == attempt], key=lambda hr: hr[1].process_index)
     return run, attempt, mine
 
 
@@ -94,19 +104,19 @@ def take(run: str, fallback_log_dir: str = "runs") -> Stacks:
     import ray
 
     run_id, attempt, mine = pick(serving_agents(), run)
-    refs = {i.run.process_index: h.dump_stacks.remote(DUMP_TIMEOUT_S) for h, i in mine}
+    refs = {r.process_index: h.dump_stacks.remote(DUMP_TIMEOUT_S) for h, r in mine}
     dumps = {}
     for p, ref in refs.items():
         try:
             dumps[p] = ray.get(ref, timeout=DUMP_TIMEOUT_S + 10)
-        except Exception as e:  # noqa: BLE001 - one host's failure is its line, not the command's
+        except Exception as e:  # one host's failure is its line, not the command's
             dumps[p] = f"(no dump: {type(e).__name__}: {e})"
-    log_dir = Path(mine[0][1].run.log_dir)
+    log_dir = Path(mine[0][1].log_dir)
     if not log_dir.is_dir():  # the run's directory is on another machine
         log_dir = Path(fallback_log_dir) / run_id
     out = RunPaths.of(log_dir).stacks_dump(attempt, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     out.mkdir(parents=True, exist_ok=True)
     for p, text in dumps.items():
         RunPaths.stacks_file(out, p).write_text(text)
-    missing = sorted(set(range(mine[0][1].run.hosts)) - set(dumps))
+    missing = sorted(set(range(mine[0][1].hosts)) - set(dumps))
     return Stacks(run_id, attempt, dumps, where_hosts_are(dumps), str(out), missing)

@@ -83,7 +83,8 @@ class StepRates:
         evidence = statistics.median(self.steps_in_window(i) for i in rates)
         if median <= 0 or evidence < self.min_steps:
             return [], []
-        new = [Straggler(i, r, median) for i, r in sorted(rates.items()) if r < ratio * median and i not in self.flagged]
+        new = [Straggler(i, r, median) for i, r in sorted(rates.items())
+               if r < ratio * median and i not in self.flagged]
         back = [i for i in sorted(self.flagged) if i in rates and rates[i] >= ratio * median]
         self.flagged |= {s.process for s in new}
         self.flagged -= set(back)

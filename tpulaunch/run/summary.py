@@ -194,7 +194,8 @@ def first_failure(hosts: list[HostResult]) -> HostResult | None:
         return (h.last_seen if h.lost else h.ended_at) or float("inf")
 
     failed = [h for h in hosts if h.failed]
-    return min(failed, key=lambda h: (h.went_with is not None, when(h), not h.lost, h.process_index)) if failed else None
+    return (min(failed, key=lambda h: (h.went_with is not None, when(h), not h.lost, h.process_index)) if failed
+            else None)
 
 
 def outcome_of(h: HostResult | None) -> Outcome:

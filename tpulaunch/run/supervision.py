@@ -1,5 +1,6 @@
 """How a run is supervised: the request's budgets, limits, recovery and lifecycle, typed and checked
-once by `prepare` (which makes it from the request), beside the plan. Nothing after `prepare` reads the request or the CLI's strings.
+once by `prepare` (which makes it from the request), beside the plan. Nothing after `prepare` reads
+the request or the CLI's strings.
 
 * `Budgets` (`run.policy`): how many restarts and preemptions the run may survive, and how;
 * `Recovery`: how a lost slice comes back (`--recreate`, the waits, an elastic run's growing back);
@@ -29,7 +30,8 @@ class Recovery:
     recreate: bool = False  # a preempted slice is made again by its provider (`run.recovery.recreate`)
     preemption_wait: float = 600.0  # how long to wait for a lost slice to be whole again
     preemption_grace: float = 30.0  # a preempted script's time between SIGTERM and SIGKILL
-    grow_after: float | None = None  # elastic: grow back this long after the lost slices are back (None: at a checkpoint)
+    # elastic: grow back this long after the lost slices are back (None: at a checkpoint)
+    grow_after: float | None = None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ environment a plain `tpulaunch run SCRIPT` of that slice gets, so the first run 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from tpulaunch.cluster.connect import connect, disconnect
 from tpulaunch.cluster.ports import free_port
 from tpulaunch.cluster.record import ClusterInfo
@@ -16,6 +18,11 @@ from tpulaunch.plan.frameworks import facts as fw_facts
 from tpulaunch.plan.frameworks import ports as plan_ports
 from tpulaunch.plan.launch import LaunchPlan, build_plan
 from tpulaunch.plan.mesh import plan_mesh
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from tpulaunch.host.agent import HostAgent
 
 
 def spare_plan(info: ClusterInfo, framework: str = "torch_xla") -> LaunchPlan:
@@ -42,7 +49,8 @@ def prewarm_cluster(info: ClusterInfo, framework: str = "torch_xla", timeout_s: 
     import ray
 
     try:
-        refs = [agent_for(h.slice_name, h.worker_id).prewarm.remote(state) for h, state in zip(plan.hosts, plan.states())]
+        refs = [cast("ActorHandle[HostAgent]", agent_for(h.slice_name, h.worker_id)).prewarm.remote(state)
+                for h, state in zip(plan.hosts, plan.states(), strict=True)]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     finally:
         disconnect()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from tpulaunch.host.protocol import PollReply
 from tpulaunch.host.ranks import FAILED_RE as RANK_FAILED_RE
 from tpulaunch.procfs import exit_reason
-from tpulaunch.run.hang import LIBTPU_HANG
+from tpulaunch.run.hang import LIBTPU_HANG, Hang
 from tpulaunch.run.status import HostPhase, HostView
 from tpulaunch.run.steps import StepRates
 from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome, exit_code_for, first_failure, outcome_of
@@ -86,7 +86,7 @@ class AttemptWatch:
         self.findings: list[dict] = []  # preflight's, errors and warnings
         self.last_activity: dict[int, float] = {}  # the host's own clock: its last line or heartbeat
         self.steps = StepRates(len(hosts))
-        self.hang = None  # a stall's triage (`run.hang.Hang`), set when the stacks were taken
+        self.hang: Hang | None = None  # a stall's triage, set when the stacks were taken
 
     # -- facts ---------------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ def check_size(where: str, have: int, unit: str, plan: MeshPlan) -> None:
 
         raise MeshMismatchError(
             f"{where} has {have} {unit} but the planned mesh"
-            f" {dict(zip(plan.axis_names, plan.shape))} needs {plan.num_devices}",
+            f" {dict(zip(plan.axis_names, plan.shape, strict=True))} needs {plan.num_devices}",
             "the slice does not match --topology/--num-slices",
         )
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from tpulaunch import settings
 from tpulaunch.errors import LaunchError, MeshMismatchError
@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     from tpulaunch.plan.contract import HostState
     from tpulaunch.plan.mesh import MeshPlan
     from tpulaunch.plan.topology import Topology
+
+
+class _Bind(TypedDict, total=False):
+    """What `jax.distributed.initialize` is given of where its coordinator listens (nothing: JAX's default)."""
+
+    coordinator_bind_address: str
 
 
 class Jax:
@@ -43,9 +49,9 @@ class Jax:
         }
 
     def preload(self) -> None:
-        import jax  # noqa: F401
-        import jax.numpy  # noqa: F401
-        import jax.sharding  # noqa: F401
+        import jax
+        import jax.numpy
+        import jax.sharding  # noqa: F401 - preload: importing is the point
 
     def boot(self, state: HostState) -> None:
         import jax
@@ -65,6 +71,9 @@ class Jax:
                     "this launch planned no JAX coordinator",
                     "launch JAX scripts with --framework jax (or auto), which plans the JAX coordinator",
                 )
+            # an emulated slice's hosts are this machine: its coordinator listens on loopback only
+            # (JAX's default is every interface)
+            bind: _Bind = {"coordinator_bind_address": address} if state.job.local else {}
             jax.distributed.initialize(
                 coordinator_address=address,
                 num_processes=state.num_processes,
@@ -72,9 +81,7 @@ class Jax:
                 cluster_detection_method="deactivate",  # every value is explicit; detect nothing
                 initialization_timeout=int(settings.seconds("TPULAUNCH_JAX_INIT_TIMEOUT",
                                                             settings.host_seconds("TPULAUNCH_DIST_TIMEOUT"))),
-                # an emulated slice's hosts are this machine: its coordinator listens on loopback only
-                # (JAX's default is every interface)
-                **({"coordinator_bind_address": address} if state.job.local else {}),
+                **bind,
             )
             self._initialized = True
             _adopt_user_initialize(self, state)
@@ -93,8 +100,8 @@ class Jax:
         devices = jax.devices()
         if len(devices) != plan.num_devices:
             raise MeshMismatchError(
-                f"JAX has {len(devices)} devices but the planned mesh {dict(zip(plan.axis_names, plan.shape))}"
-                f" needs {plan.num_devices}",
+                f"JAX has {len(devices)} devices but the planned mesh"
+                f" {dict(zip(plan.axis_names, plan.shape, strict=True))} needs {plan.num_devices}",
                 "the slice does not match --topology/--num-slices",
             )
         local = jax.local_device_count()
@@ -132,7 +139,7 @@ class Jax:
                 import jax
 
                 jax.distributed.shutdown()
-            except Exception as e:  # noqa: BLE001 - best effort on the way out
+            except Exception as e:  # best effort on the way out
                 print(f"tpulaunch: jax.distributed.shutdown failed: {e}", file=sys.stderr)
 
         t = threading.Thread(target=_shutdown, name="tpulaunch-jax-shutdown", daemon=True)
@@ -161,7 +168,7 @@ def _adopt_user_initialize(adapter: Jax, state: HostState) -> None:
     original_init, original_shutdown = jax.distributed.initialize, jax.distributed.shutdown
     signature = inspect.signature(original_init)
 
-    calls = []
+    calls: list[bool] = []
 
     @functools.wraps(original_init)
     def initialize(*args: Any, **kwargs: Any) -> None:
@@ -211,7 +218,7 @@ def device_order(plan: MeshPlan, attributes: list[dict]) -> list[int]:
     dph = plan.topology.devices_per_host
     out: list[int] = []
     if attributes and "coords" in attributes[0]:
-        for dev_id, i in zip(plan.device_ids(), plan.match_physical(attributes, "JAX")):
+        for dev_id, i in zip(plan.device_ids(), plan.match_physical(attributes, "JAX"), strict=True):
             d = plan.device(dev_id)
             if attributes[i]["process_index"] != d.process:
                 raise MeshMismatchError(

@@ -55,14 +55,14 @@ class TorchTPU:
         was = os.environ.get(AUTOLOAD)
         os.environ[AUTOLOAD] = "0"
         try:
-            import torch  # noqa: F401
-            import torch.distributed  # noqa: F401
-            import torch.distributed.device_mesh  # noqa: F401
+            import torch
+            import torch.distributed
+            import torch.distributed.device_mesh  # noqa: F401 - a head start: importing is the point
 
             for head_start in ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint"):
                 try:
                     importlib.import_module(head_start)
-                except Exception:  # noqa: BLE001 - only a head start: a process that needs it says why
+                except Exception:  # only a head start: a process that needs it says why
                     pass
         finally:
             if was is None:
@@ -87,7 +87,8 @@ class TorchTPU:
         if tpu is None or not tpu.is_available():
             raise LaunchError(
                 "torch has no usable 'tpu' device on this host (torch-tpu not installed, or no TPU found)",
-                "pip install 'tpulaunch[torch_tpu]' in the hosts' environment (torch >= 2.11), or emulate with --topology",
+                "pip install 'tpulaunch[torch_tpu]' in the hosts' environment (torch >= 2.11),"
+                " or emulate with --topology",
             )
         torch_dist.init_group("tpu_dist", "env://", rank, world, also_satisfies=TPU_BACKENDS)
 

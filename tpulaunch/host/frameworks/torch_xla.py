@@ -30,16 +30,16 @@ class TorchXLA:
         return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(topology.devices * num_slices)}
 
     def preload(self) -> None:
-        import torch.distributed  # noqa: F401
-        import torch_xla  # noqa: F401
-        import torch_xla.core.xla_model  # noqa: F401
-        import torch_xla.distributed.parallel_loader  # noqa: F401
-        import torch_xla.distributed.spmd  # noqa: F401
-        import torch_xla.experimental.distributed_checkpoint  # noqa: F401
-        import torch_xla.runtime  # noqa: F401
+        import torch.distributed  # noqa: F401 - preload: importing is the point
+        import torch_xla
+        import torch_xla.core.xla_model
+        import torch_xla.distributed.parallel_loader
+        import torch_xla.distributed.spmd
+        import torch_xla.experimental.distributed_checkpoint
+        import torch_xla.runtime  # noqa: F401 - preload: importing is the point
 
     def boot(self, state: HostState) -> None:
-        import torch_xla  # noqa: F401  (registers the XLA device)
+        import torch_xla  # noqa: F401 - registers the XLA device
         import torch_xla.runtime as xr
 
         from tpulaunch.host.frameworks import torch_dist
@@ -118,8 +118,8 @@ def _save_each_local_shard_once() -> None:
                 items.append(item)
         return dataclasses.replace(plan, items=items)
 
-    create_local_plan.__tpulaunch__ = True  # type: ignore[attr-defined]
-    planners.SPMDSavePlanner.create_local_plan = create_local_plan
+    create_local_plan.__tpulaunch__ = True  # type: ignore[attr-defined]  # our mark: patched once
+    planners.SPMDSavePlanner.create_local_plan = create_local_plan  # type: ignore[method-assign]  # patched on purpose
 
 
 def _checkpoint_plans_wait_for_the_step_in_flight() -> None:
@@ -180,10 +180,10 @@ def _checkpoint_plans_wait_for_the_step_in_flight() -> None:
                     xm.wait_device_ops()
                 return original(self)
 
-            create_local_plan.__tpulaunch_waits__ = True  # type: ignore[attr-defined]
+            create_local_plan.__tpulaunch_waits__ = True  # type: ignore[attr-defined]  # our mark: patched once
             return create_local_plan
 
-        cls.create_local_plan = wrap(original)
+        cls.create_local_plan = wrap(original)  # type: ignore[method-assign]  # patched on purpose
 
 
 def _async_checkpoints_copy_host_tensors() -> None:
@@ -219,9 +219,10 @@ def _async_checkpoints_copy_host_tensors() -> None:
         if len(given) != len(leaves):  # not the one-to-one map torch_xla 2.9 makes: leave it
             return out
         return tree_unflatten([v.clone() if isinstance(g, torch.Tensor) and g.device.type == "cpu"
-                               and isinstance(v, torch.Tensor) else v for g, v in zip(given, leaves)], spec)
+                               and isinstance(v, torch.Tensor) else v
+                               for g, v in zip(given, leaves, strict=True)], spec)
 
-    _sharded_cpu_state_dict.__tpulaunch__ = True  # type: ignore[attr-defined]
+    _sharded_cpu_state_dict.__tpulaunch__ = True  # type: ignore[attr-defined]  # our mark: patched once
     manager._sharded_cpu_state_dict = _sharded_cpu_state_dict
 
 

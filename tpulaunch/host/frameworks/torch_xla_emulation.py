@@ -80,8 +80,8 @@ class _MinibatchGather:
             ends = self.state.endpoints
             if ends.emulation_port is None:
                 raise RuntimeError("tpulaunch planned no store for the emulated hosts' per-host input")
-            store = dist.TCPStore(ends.host, ends.emulation_port, self.state.num_processes, self.state.process_index == 0,
-                                  timeout=dist_timeout())
+            store = dist.TCPStore(ends.host, ends.emulation_port, self.state.num_processes,
+                                  self.state.process_index == 0, timeout=dist_timeout())
             self._group = dist.ProcessGroupGloo(dist.PrefixStore("tpulaunch-minibatch", store),
                                                 self.state.process_index, self.state.num_processes,
                                                 dist_timeout())

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from tpulaunch.run.record.events import Event
 
@@ -89,7 +90,7 @@ def _interp(samples: list[tuple[float, int]], step: float) -> float | None:
     pts = sorted(((t, s) for s, t in earliest.items()), key=lambda p: p[1])
     if len(pts) == 1:
         return pts[0][0]
-    for (t0, s0), (t1, s1) in zip(pts, pts[1:]):
+    for (t0, s0), (t1, s1) in pairwise(pts):
         if s0 <= step <= s1 and s1 > s0:
             return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
     (t0, s0), (t1, s1) = (pts[0], pts[1]) if step < pts[0][1] else (pts[-2], pts[-1])
@@ -145,7 +146,8 @@ def analyze(events: list[dict], now: float | None = None) -> Goodput:
                      "outcome": a_end_e.get("outcome") if a_end_e else "running"}
         if not steppers:
             # no step reports: start-up and the script's time, unsplit
-            stop = min(failed_ends) if (this_failed and failed_ends) else max((e["t"] for e in ends.values()), default=a_end)
+            stop = (min(failed_ends) if (this_failed and failed_ends)
+                    else max((e["t"] for e in ends.values()), default=a_end))
             stop = min(max(stop, hosts_up), a_end)
             if n == 0 or failed_at is None:
                 b["preflight"] += pf_s
@@ -167,8 +169,10 @@ def analyze(events: list[dict], now: float | None = None) -> Goodput:
         ckpts = [(int(e["step"]), float(e.get("save_s") or 0.0)) for e in es
                  if e["kind"] == Event.CHECKPOINT and e["host"] == ref]
         # where this attempt began stepping: its first reported step (as the host timed it)
-        firsts = [(e["t"], int(e["step"])) for e in es if e["kind"] == Event.STEP and e["host"] == ref and e.get("first")]
-        s0, t_first = (firsts[0][1], firsts[0][0]) if firsts else (min(s for _, s in samples), min(t for t, _ in samples))
+        firsts = [(e["t"], int(e["step"])) for e in es
+                  if e["kind"] == Event.STEP and e["host"] == ref and e.get("first")]
+        s0, t_first = ((firsts[0][1], firsts[0][0]) if firsts
+                       else (min(s for _, s in samples), min(t for t, _ in samples)))
         # a step is reported when it is done: the first one began a step's time earlier (at the
         # later steps' pace: a slow first step, its compile, is start-up)
         if firsts:
@@ -189,7 +193,8 @@ def analyze(events: list[dict], now: float | None = None) -> Goodput:
             lowest_next = min(nxt) if nxt else None
             marked = [s for s, _ in ckpts if lowest_next is None or s < lowest_next]
             resume = max(marked) if marked else ((lowest_next - 1) if lowest_next is not None else None)
-        saved_at = next((e["t"] for e in es if e["kind"] == Event.CHECKPOINT and e["host"] == ref and e["step"] == resume), None)
+        saved_at = next((e["t"] for e in es
+                         if e["kind"] == Event.CHECKPOINT and e["host"] == ref and e["step"] == resume), None)
         t_resume = stop if resume is None else min(max(saved_at or _interp(samples, resume) or stop, t_first), stop)
         saves = sum(sec for s, sec in ckpts if resume is None or s <= resume)
         kept = max(0.0, t_resume - t_first)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tpulaunch.cluster.record import ClusterInfo
 from tpulaunch.errors import LaunchError, TpulaunchError
@@ -25,6 +26,9 @@ from tpulaunch.plan.topology import Topology
 from tpulaunch.run.recovery.recreate import Comeback
 from tpulaunch.run.summary import Recreation
 
+if TYPE_CHECKING:
+    from tpulaunch.run.watch import AttemptWatch
+
 
 def check(plan: LaunchPlan, min_slices: int) -> None:
     """`--min-slices` on a plan: at most its slices, and the slices on one axis that can shrink."""
@@ -34,7 +38,7 @@ def check(plan: LaunchPlan, min_slices: int) -> None:
                           "give at most --num-slices; with --min-slices equal to it the run never shrinks")
     if n > 1 and min_slices < n and elastic_axis(plan.mesh) is None:
         raise LaunchError("--min-slices needs the slices on one mesh axis to shrink",
-                          "name that axis with --dcn, e.g. --dcn data=%d" % n)
+                          f"name that axis with --dcn, e.g. --dcn data={n}")
 
 
 def whole(slices: list[str], hosts_per_slice: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
@@ -49,7 +53,8 @@ def whole(slices: list[str], hosts_per_slice: int) -> tuple[list[tuple[str, int]
 
 
 def wait_whole(cluster: ClusterInfo, topology: Topology, slices: list[str], wait_s: float,
-               stopped: Callable[[], bool], say: Callable[[str], None], poll: Callable[[float], object] = time.sleep) -> bool:
+               stopped: Callable[[], bool], say: Callable[[str], None],
+               poll: Callable[[float], object] = time.sleep) -> bool:
     """Until every host of these slices is alive and free in Ray: True; False when `wait_s` passes
     or `stopped()`. On an emulated cluster on this machine a lost host is started again, as a
     repaired TPU VM rejoins a real slice; on a real cluster something else must bring it back
@@ -130,17 +135,18 @@ class Regrowth:
             elif not self._stop.is_set():
                 self.error = f"slice(s) {', '.join(self.lost)} not back within --preemption-wait {self.wait_s:g} s"
                 self.say(self.error + ": the run goes on without them")
-        except Exception as e:  # noqa: BLE001 - a thread's failure must not pass unseen
+        except Exception as e:  # a thread's failure must not pass unseen
             self.error = failure_line(e)
             self.say(f"slice(s) {', '.join(self.lost)} not brought back: {self.error}; the run goes on without them")
 
-    def should_grow(self, watch, now: float) -> str | None:  # noqa: ANN001 - an AttemptWatch
+    def should_grow(self, watch: AttemptWatch, now: float) -> str | None:
         """Asked by the running attempt's watch: a reason to end it and grow back, or None."""
         if self.ready_at is None:
             return None
         back = f"slice(s) {', '.join(self.lost)} are back"
         if self.grow_after is not None:
-            return f"{back}: growing back ({self.grow_after:g} s after)" if now >= self.ready_at + self.grow_after else None
+            due = now >= self.ready_at + self.grow_after
+            return f"{back}: growing back ({self.grow_after:g} s after)" if due else None
         step = watch.saved_since(self.ready_at)
         return f"{back}: growing back after the checkpoint of step {step}" if step is not None else None
 
@@ -160,7 +166,7 @@ class Background:
         try:
             fn()
             self.say(f"{self.what}: done")
-        except Exception as e:  # noqa: BLE001 - a thread's failure must not pass unseen
+        except Exception as e:  # a thread's failure must not pass unseen
             self.error = failure_line(e)
             self.say(f"{self.what}: not done: {self.error}")
         finally:

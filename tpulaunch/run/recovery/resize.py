@@ -25,7 +25,7 @@ from tpulaunch.run import policy
 from tpulaunch.run.context import RunContext
 from tpulaunch.run.record.events import Event
 from tpulaunch.run.recovery import elastic, recreate
-from tpulaunch.run.summary import Attempt, Cause, Outcome, exit_code_for, first_failure, outcome_of
+from tpulaunch.run.summary import Attempt, Cause, HostResult, Outcome, exit_code_for, first_failure, outcome_of
 
 if TYPE_CHECKING:
     from tpulaunch.discover.ray_labels import RaySlice
@@ -54,7 +54,7 @@ def preempted_by_the_provider(a: Attempt, plan: LaunchPlan, ctx: RunContext) -> 
     if a.outcome is not Outcome.FAILED:
         return
 
-    def exited(h) -> bool:  # noqa: ANN001 - a HostResult that failed by its own exit
+    def exited(h: HostResult) -> bool:  # a host that failed by its own exit
         return not (h.exit_code in (None, 0) or h.stopped_by_tpulaunch or h.lost or h.preempted)
 
     known = {s.name for s in ctx.cluster.slices} or {h.slice_name for h in plan.hosts}
@@ -66,7 +66,8 @@ def preempted_by_the_provider(a: Attempt, plan: LaunchPlan, ctx: RunContext) -> 
         name = plan.hosts[h.process_index].slice_name
         why = verdicts.get(name) if exited(h) else None
         if why:
-            h.preempted, h.cause, h.reason = f"slice {name}: {why}", Cause.PREEMPTED, f"preempted ({why}), then {h.reason}"
+            h.preempted, h.cause, h.reason = (f"slice {name}: {why}", Cause.PREEMPTED,
+                                              f"preempted ({why}), then {h.reason}")
     if any(verdicts.values()):
         a.first_failure = first_failure(a.hosts)
         a.outcome = outcome_of(a.first_failure)
@@ -162,13 +163,14 @@ def swap_in_spares(lost: list[str], a: Attempt, current: LaunchPlan, ctx: RunCon
         ctx.sink.progress(f"{len(ready)} spare(s) of {topo.accelerator_type} ({topo.topology}) whole and free,"
                           f" {len(lost)} needed: waiting for the lost slice(s) instead")
         return None
-    swaps = {name: now[spare].to_spec() for name, spare in zip(lost, ready)}
-    for name, spare in zip(lost, ready):
+    # Not strict: there may be more spares ready than slices lost; the first ones take their places.
+    swaps = {name: now[spare].to_spec() for name, spare in zip(lost, ready, strict=False)}
+    for name, spare in zip(lost, ready, strict=False):
         provider.swap(name, spare)
     plan = current.swapped(swaps)
     took = time.monotonic() - t0
-    a.replaced = [{"slice": name, "how": f"spare {spec.name}", "spare": spec.name, "why": why, "seconds": round(took, 3)}
-                  for name, spec in swaps.items()]
+    a.replaced = [{"slice": name, "how": f"spare {spec.name}", "spare": spec.name, "why": why,
+                   "seconds": round(took, 3)} for name, spec in swaps.items()]
     ctx.timeline.emit(Event.SWAP, slices=list(swaps), spares=[s.name for s in swaps.values()])
     ctx.sink.progress("; ".join(f"spare {spec.name} takes {name}'s place" for name, spec in swaps.items())
                       + f" ({took:.2f} s): {name if len(lost) == 1 else 'they'} come(s) back as spare(s) in the"
