@@ -105,6 +105,9 @@ def test_a_detached_run_is_listed_watched_logged_stopped_and_waited_for(side_clu
 
     doc = _until(running)
     assert [(h["process_index"], h["slice_index"], h["worker_id"]) for h in doc["hosts"]] == [(i, 0, i) for i in range(SHARED_HOSTS)]
+    # the run holds every chip of the slice: the cluster says so, and no other run would be given it
+    held = json.loads(cli(side_cluster, "cluster", "status", "--json").stdout)
+    assert [h["busy"] for h in held["slices"][0]["hosts"]] == [True] * SHARED_HOSTS, held
     assert all(h["since_last_s"] is not None and h["since_last_s"] < 30 for h in doc["hosts"])
     log1 = cli(side_cluster, "logs", run_id, "--host", "1")
     assert log1.returncode == 0 and re.search(r"^tick \d+ host 1$", log1.stdout, re.M), log1.stderr

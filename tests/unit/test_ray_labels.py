@@ -42,6 +42,17 @@ def test_busy_slice_is_skipped_for_a_free_one():
     assert [s.name for s in chosen] == ["bb"]
 
 
+def test_a_node_whose_chips_are_all_taken_is_busy_though_ray_leaves_tpu_out():
+    """Ray's per-node available resources leave out a resource none of which is left: a host whose
+    every chip a run holds is listed without "TPU", and that is busy, not free. A node Ray said
+    nothing about (a Ray without the per-node view) counts as free."""
+    taken = {"a-1": {"CPU": 1.0, "memory": 1e9}}
+    slices = {s.name: s for s in slices_from_nodes(NODES, taken)}
+    assert [busy for *_, busy in slices["a"].workers] == [False, True, False, False]
+    chosen = choose(slices_from_nodes(NODES, taken), want=topology.resolve("v4-32"), tpu=None)
+    assert [s.name for s in chosen] == ["bb"]
+
+
 def test_wrong_generation_and_dead_hosts_are_explained():
     with pytest.raises(ClusterError) as e:
         choose(slices_from_nodes(NODES, {"a-0": {"TPU": 0}, "bb-0": {"TPU": 2}}), want=topology.resolve("v4-32"),

@@ -53,12 +53,20 @@ def slices_from_nodes(nodes: list[dict], available: dict[str, dict[str, float]])
             continue
         total = float(n.get("Resources", {}).get("TPU", 0.0))
         alive = bool(n.get("Alive"))
-        free = float(available.get(n.get("NodeID", ""), {}).get("TPU", total)) if alive else 0.0
+        free = _free_tpus(available.get(n.get("NodeID", "")), total) if alive else 0.0
         groups.setdefault(labels[SLICE], []).append(
             (int(labels[WORKER]), n.get("NodeManagerAddress", ""), alive, alive and free < total)
         )
         meta[labels[SLICE]] = (labels.get(POD_TYPE, ""), labels.get(TOPO, ""))
     return [RaySlice(name, meta[name][0], meta[name][1], _replaced_dropped(ws)) for name, ws in sorted(groups.items())]
+
+
+def _free_tpus(available: dict[str, float] | None, total: float) -> float:
+    """A node's free chips. Ray leaves a resource out of a node's available resources once none of
+    it is left (every chip taken): out means 0. A node Ray said nothing about counts as free."""
+    if available is None:
+        return total
+    return float(available.get("TPU", 0.0))
 
 
 def _replaced_dropped(workers: list) -> tuple:
@@ -112,10 +120,14 @@ def read_slices() -> list[RaySlice]:
     """Slices of the Ray cluster this process is connected to."""
     import ray
 
-    try:
-        from ray._private.state import state as _state
+    return slices_from_nodes(ray.nodes(), available_per_node())
 
-        available = _state._available_resources_per_node()  # noqa: SLF001 - no public per-node view
-    except Exception:  # noqa: BLE001
-        available = {}
-    return slices_from_nodes(ray.nodes(), available)
+
+def available_per_node() -> dict[str, dict[str, float]]:
+    """What Ray has free on each live node, by node id: `ray._private.state.available_resources_per_node`
+    (a DeveloperAPI: Ray has no public per-node view), or {} in a Ray without it."""
+    try:
+        from ray._private.state import available_resources_per_node
+    except ImportError:
+        return {}
+    return available_resources_per_node()

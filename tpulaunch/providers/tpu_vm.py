@@ -39,7 +39,8 @@ def refusal(cluster: ClusterInfo) -> str | None:
     """Why `--recreate` cannot work on a cluster of TPU VMs. Pure."""
     remote = cluster.remote
     if remote is None:
-        return "--recreate needs a cluster brought up by `tpulaunch cluster up --tpu NAME --head local` (none is recorded)"
+        return ("--recreate needs a cluster brought up by `tpulaunch cluster up --tpu NAME --head local`"
+                " (none is recorded)")
     if not remote.head_here:
         return (f"--recreate with the Ray head on worker 0 of '{remote.tpu}': the head would be preempted with the"
                 " slice. bring the cluster up with `tpulaunch cluster up --tpu NAME --head local`")
@@ -84,7 +85,8 @@ class TpuVmProvider(Provider):
             raise ClusterError(f"the Ray head of TPU '{cluster.names[0]}' ({self.info.address}) does not answer",
                                "start it again with `tpulaunch cluster up --tpu ...`")
         nodes = q["nodes"]
-        found = ray_labels.slices_from_nodes(nodes, {n["NodeID"]: n.get("Available") or {} for n in nodes})
+        free = {n["NodeID"]: n["Available"] for n in nodes if n.get("Available") is not None}
+        found = ray_labels.slices_from_nodes(nodes, free)
         return status_doc(self.info, found)
 
     def down(self, progress: Progress) -> dict:
@@ -107,15 +109,18 @@ class TpuVmProvider(Provider):
             here = (" (the head here is stopped)" if head is not None and not head.get("error") and not head.get("left")
                     else "")
             raise ClusterError("could not stop Ray on " + "; ".join(f"worker {w}: {m}" for w, m in sorted(bad.items()))
-                               + here, "fix what that says (gcloud login, config) and run `tpulaunch cluster down` again:"
+                               + here,
+                               "fix what that says (gcloud login, config) and run `tpulaunch cluster down` again:"
                                " the record is kept for it")
         deleted = []
-        for name in rec.remote.made if rec.remote else ():  # the spare slices `cluster up` made
-            from tpulaunch.provision import capacity
+        remote = rec.remote
+        if remote is not None:
+            for name in remote.made:  # the spare slices `cluster up` made
+                from tpulaunch.provision import capacity
 
-            progress.note(f"deleting slice {name} (made by cluster up)")
-            if capacity.delete(rec.remote.project, rec.remote.zone, name):
-                deleted.append(name)
+                progress.note(f"deleting slice {name} (made by cluster up)")
+                if capacity.delete(remote.project, remote.zone, name):
+                    deleted.append(name)
         clear_record()
         if rec.token_path and tokens.is_ours(rec.token_path):
             Path(rec.token_path).unlink(missing_ok=True)
@@ -225,7 +230,8 @@ class TpuVmProvider(Provider):
                 self._rejoin([name], max(1.0, end - time.monotonic()), say, again=True)
         return sorted(missing)
 
-    def replace(self, names: list[str], why: str, deadline_s: float, say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
+    def replace(self, names: list[str], why: str, deadline_s: float,
+                say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
         """Delete and create again the queued resources of these slices (new VMs), set them up and join."""
         from tpulaunch.provision import capacity
 
@@ -274,9 +280,12 @@ class TpuVmProvider(Provider):
             try:
                 fresh = discover.describe_node(spec.name, zone=cluster.remote.zone, project=cluster.remote.project)
                 say(f"slice {spec.name}: ACTIVE again ({len(fresh.workers)} workers): setting up and joining the head")
+
+                def host_progress(w: int, s: str, name: str = spec.name) -> None:
+                    say(f"slice {name} worker {w}: {s}")
+
                 # the head is off the slices (`refusal`): its address stays, only the workers are new
-                RemoteCluster.of(cluster).rejoin(cluster, i, fresh,
-                                                 lambda w, s, name=spec.name: say(f"slice {name} worker {w}: {s}"),
+                RemoteCluster.of(cluster).rejoin(cluster, i, fresh, host_progress,
                                                  max(1.0, end - time.monotonic()), replaced=not again)
             except TpulaunchError as e:
                 raise RejoinFailed(e.line()) from None
