@@ -374,16 +374,35 @@ class Client:
     def run(self, run_id: str) -> Run:
         """A run of this cluster by id, or `last` (the newest).
 
+        Args:
+            run_id: the id `submit` returned (also in `tpulaunch runs`), or `last`.
+
+        Returns:
+            The run, to watch, wait for or stop; nothing is asked of the cluster until then.
+
         Raises:
             TpulaunchError: a malformed id (exit code 2).
             ClusterError: no such run on the cluster (exit code 5).
+
+        Example::
+
+            print(Client().run("last").status().state)
         """
         from tpulaunch.run import detached
 
         return Run(self, detached.find(self._api(), run_id).submission_id)
 
     def runs(self) -> list[Run]:
-        """Every run tpulaunch submitted to the cluster, newest first."""
+        """Every run tpulaunch submitted to the cluster, newest first.
+
+        Raises:
+            ClusterError: the cluster's job API cannot be reached or refuses the token (exit code 5).
+
+        Example::
+
+            for run in Client().runs():
+                print(run.id, run.status().state)
+        """
         from tpulaunch.run import detached
 
         return [Run(self, j.submission_id) for j in reversed(detached.runs(self._api()))]

@@ -63,7 +63,7 @@ def test_a_hang_names_its_culprit_replaces_its_slice_and_the_run_resumes(tmp_pat
     logs = tmp_path / "runs"
     env = cli_env(TPULAUNCH_HOME=str(tmp_path / "home"))
     proc = run_cli("run", "hang_probe.py", "--topology", "2x2x2", "--accelerator", "v5p", "--num-slices", "2",
-                   "--dcn", "data=2", "--framework", "none", "--stall-timeout", "10", "--max-restarts", "1",
+                   "--dcn", "data=2", "--framework", "none", "--stall-timeout", "20", "--max-restarts", "1",
                    "--replace-hung", "--env", f"CKPT_DIR={ckpt}", "--log-dir", str(logs), "--json",
                    env=env, cwd=work, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
