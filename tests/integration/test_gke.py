@@ -29,6 +29,7 @@ from fakes import cli_env, run_cli
 from fakes.gke import FakeGke, NodePool, tpu_pool
 from fakes.gke.kubelet import OWNER_ENV
 from support import REPO, live_processes, status_doc, write_scripts
+from tpulaunch.cluster.record import QUIET_RAY
 from tpulaunch.errors import ExitCode
 
 pytestmark = pytest.mark.lifecycle
@@ -80,8 +81,12 @@ def _old_tpulaunch(root: Path) -> Path:
 def gke(tmp_path_factory):
     shared = Path(tempfile.mkdtemp(prefix="tplt-gke-shared-", dir="/var/tmp"))  # not /tmp: a pod's /tmp is its own
     old = _old_tpulaunch(shared)
+    # The test images carry what an image for one machine would (Dockerfile ENV): every pod is a Ray
+    # node on this one machine, so Ray's per-node background work is kept as low as on an emulated
+    # cluster (QUIET_RAY: each node's reporter would otherwise walk every process here every 5 s).
     fake = FakeGke(POOLS, shared_dirs=[str(shared)], comeback_s=6.0,
-                   image_env={"example.com/tpulaunch:old": {"PYTHONPATH": str(old)}}).start()
+                   image_env={IMAGE: dict(QUIET_RAY), "example.com/tpulaunch:old": {**QUIET_RAY, "PYTHONPATH": str(old)}}
+                   ).start()
     home = tmp_path_factory.mktemp("gke-home")
     work = tmp_path_factory.mktemp("gke-work")
     env = cli_env(home, KUBECONFIG=fake.kubeconfig, TPULAUNCH_HOME=str(home / "state"))
