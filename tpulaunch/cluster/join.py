@@ -13,7 +13,13 @@ import sys
 import time
 from collections.abc import Callable
 
-from tpulaunch.cluster.worker_commands import DEFAULT_PORT, _tail, default_temp_dir, local_auth_env, ray_start_words
+from tpulaunch.cluster.worker_commands import (
+    DEFAULT_PORT,
+    default_temp_dir,
+    local_auth_env,
+    output_tail,
+    ray_start_words,
+)
 from tpulaunch.errors import ClusterError
 from tpulaunch.plan.slicespec import SliceSpec
 
@@ -61,7 +67,7 @@ def join_local(
         if proc is not None and proc.returncode == 0:
             say("head started" if worker_id == 0 else f"joined {head_ip}:{port}")
             return f"{head_ip}:{port}"
-        last = _tail(proc) if proc is not None else "ray start timed out"
+        last = output_tail(proc) if proc is not None else "ray start timed out"
         if time.monotonic() >= deadline:
             raise ClusterError(f"ray start on worker {worker_id} kept failing for {timeout:g}s: {last}",
                                f"Ray's logs are under {tdir}")

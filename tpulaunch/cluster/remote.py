@@ -43,11 +43,11 @@ from tpulaunch.cluster.worker_commands import (
     DEFAULT_PORT,
     DEFAULT_PYTHON,
     MAX_PARALLEL_SSH,
-    _marked_json,
-    _tail,
     cluster_key,
     default_temp_dir,
     local_auth_env,
+    marked_json,
+    output_tail,
     query_command,
     query_words,
     ray_start_words,
@@ -151,10 +151,10 @@ class RemoteSlice:
                                   capture_output=True, text=True, timeout=120)
         else:
             proc = self.ssh(0, query_command(self.python, self.head_ip, self.port))
-        doc = _marked_json(proc.stdout)
+        doc = marked_json(proc.stdout)
         if proc.returncode != 0 or doc is None:
             raise ClusterError(f"could not ask worker 0 of '{self.spec.name}' about Ray (exit {proc.returncode}):"
-                               f" {_tail(proc)}",
+                               f" {output_tail(proc)}",
                                f"is Ray installed for {self.python} on the TPU VMs? (--remote-python)")
         if doc.get("error") and doc.get("head"):
             raise ClusterError(f"the Ray head at {self.address} answers but would not let us in: {doc['error']}",
@@ -188,7 +188,7 @@ class RemoteSlice:
                     "PATH": os.pathsep.join([os.path.dirname(head.python), os.environ.get("PATH", "")])})
         proc = subprocess.run(words, env=env, capture_output=True, text=True, timeout=SSH_TIMEOUT)
         if proc.returncode != 0:
-            raise ClusterError(f"the Ray head did not start here (exit {proc.returncode}): {_tail(proc)}",
+            raise ClusterError(f"the Ray head did not start here (exit {proc.returncode}): {output_tail(proc)}",
                                f"Ray's logs are under {head.temp_dir}")
 
     def _setup(self, worker: int) -> None:
@@ -203,7 +203,7 @@ class RemoteSlice:
         path.write_text(proc.stdout + proc.stderr)
         self.setup_logs[worker] = str(path)
         if proc.returncode != 0:
-            raise ClusterError(f"the setup failed on worker {worker} (exit {proc.returncode}): {_tail(proc)}",
+            raise ClusterError(f"the setup failed on worker {worker} (exit {proc.returncode}): {output_tail(proc)}",
                                f"its whole output is in {path}")
 
     def _start(self, worker: int, token: str, head: bool) -> None:
@@ -219,7 +219,7 @@ class RemoteSlice:
                 self.ssh(worker, stop_command(self.python, self.temp_dir, cluster_id_of(token), keep_dir=True))
             except ClusterError:
                 pass  # the reason below matters more
-            raise ClusterError(f"ray start failed on worker {worker} (exit {proc.returncode}): {_tail(proc)}",
+            raise ClusterError(f"ray start failed on worker {worker} (exit {proc.returncode}): {output_tail(proc)}",
                                f"Ray's logs are under {self.temp_dir} on that worker")
 
     def up(self, progress: Progress | None = None, replaced: bool = False,
@@ -316,12 +316,12 @@ class RemoteSlice:
                 results[w] = {"error": e.message}
                 say(w, "FAILED")
                 return
-            doc = _marked_json(proc.stdout)
+            doc = marked_json(proc.stdout)
             if proc.vm_gone:  # the VM itself is gone (preempted, deleted)
                 results[w] = {"stopped": 0, "left": [], "gone": True}
                 say(w, "the VM is gone: nothing to stop")
             elif proc.returncode != 0 or doc is None:
-                results[w] = {"error": f"exit {proc.returncode}: {_tail(proc)}"}
+                results[w] = {"error": f"exit {proc.returncode}: {output_tail(proc)}"}
                 say(w, "FAILED")
             else:
                 results[w] = doc

@@ -90,7 +90,7 @@ def stop_command(python: str, temp_dir: str, cluster_id: str, keep_dir: bool = F
     return gcloud.shell_words([python, "-c", _source(worker_stop), temp_dir, cluster_id, *keep])
 
 
-def _marked_json(text: str) -> dict | None:
+def marked_json(text: str) -> dict | None:
     for line in reversed(text.splitlines()):
         if line.startswith(JSON_MARK):
             try:
@@ -100,7 +100,7 @@ def _marked_json(text: str) -> dict | None:
     return None
 
 
-def _tail(proc: subprocess.CompletedProcess[str] | gcloud.SshResult, n: int = 3) -> str:
+def output_tail(proc: subprocess.CompletedProcess[str] | gcloud.SshResult, n: int = 3) -> str:
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and not ln.startswith(JSON_MARK)]
     return " | ".join(lines[-n:])
 

@@ -35,7 +35,9 @@ _MARKER: list[int] = []  # the fd of the run's heartbeat file, held open (see _h
 EXIT_BOOT_FAILED = ExitCode.BOOT_FAILED  # the host could not start the framework or build the mesh
 
 
-def _exit_code(code: object) -> int:
+def exit_code_of(code: object) -> int:
+    """A `SystemExit`'s code as a process exit code, as Python itself does it: None is 0, a
+    number itself, anything else printed to stderr and 1."""
     if code is None:
         return 0
     if isinstance(code, int):
@@ -138,7 +140,7 @@ def main(argv: list[str]) -> int:
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
-        code = _exit_code(e.code)
+        code = exit_code_of(e.code)
     except BaseException:  # the user's traceback goes to the host log
         traceback.print_exc()
         code = 1

@@ -67,6 +67,7 @@ def main(argv: list[str]) -> int:
         job: Job = pickle.load(f)
     from tpulaunch.errors import TpulaunchError
     from tpulaunch.host import context as ctx_mod
+    from tpulaunch.host.bootstrap import exit_code_of
     from tpulaunch.rehearse import jax_compile
     from tpulaunch.rehearse.report import verdict
 
@@ -102,9 +103,7 @@ def main(argv: list[str]) -> int:
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
+        code = exit_code_of(e.code)
     except BaseException:  # the script's traceback, as a host shows it
         traceback.print_exc()
         code = 1

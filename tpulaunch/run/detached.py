@@ -166,8 +166,7 @@ def supervisor_entrypoint(run_id: str, python: str, workdir: str | None) -> str:
     return f"cd {shlex.quote(workdir)} && exec {line}" if workdir else f"exec {line}"
 
 
-def submit(req: LaunchRequest, cluster: ClusterInfo, api: JobApi, *, runtime_env: dict | None,
-           python: str | None = None) -> str:
+def submit(req: LaunchRequest, cluster: ClusterInfo, api: JobApi, *, runtime_env: dict | None) -> str:
     """Submit the run; returns its id (the job's submission id). The request's address becomes the
     cluster's own (the supervisor connects from the head)."""
     from tpulaunch.run.prepare import head_python, is_local
@@ -192,7 +191,7 @@ def submit(req: LaunchRequest, cluster: ClusterInfo, api: JobApi, *, runtime_env
         # every actor it starts (its cwd is the unpacked copy).
         workdir, job_env = None, {**(runtime_env or {}), "env_vars": env_vars}
         sup_req = dataclasses.replace(sup_req, workdir=".")
-    entry = supervisor_entrypoint(run_id, python or head_python(cluster), workdir)
+    entry = supervisor_entrypoint(run_id, head_python(cluster), workdir)
     meta = {META_KEY: "run", "run_id": run_id, "script": req.script or " ".join(req.command),
             "submitted_from": os.uname().nodename}
     if api.info(run_id) is not None:  # its request would overwrite a running run's

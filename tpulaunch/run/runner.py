@@ -28,7 +28,6 @@ from tpulaunch.run.prepare import (
     Target,
     check,
     find_cluster,
-    head_python,
     is_local,
     prepare,
     shipped_workdir,
@@ -84,8 +83,7 @@ class OnTheHead:
 
     def submit(self, checked: Checked, api: JobApi | None = None) -> str:
         """Submit a checked request; the run's id."""
-        return detached.submit(checked.request, self.cluster, api or self.api(), runtime_env=shipped_workdir(checked),
-                               python=head_python(self.cluster))
+        return detached.submit(checked.request, self.cluster, api or self.api(), runtime_env=shipped_workdir(checked))
 
 
 def choose(req: LaunchRequest, *, detach: bool = False, dry_run: bool = False) -> Here | OnTheHead:
