@@ -83,10 +83,11 @@ def gke(tmp_path_factory):
     old = _old_tpulaunch(shared)
     # The test images carry what an image for one machine would (Dockerfile ENV): every pod is a Ray
     # node on this one machine, so Ray's per-node background work is kept as low as on an emulated
-    # cluster (QUIET_RAY: each node's reporter would otherwise walk every process here every 5 s).
+    # cluster (QUIET_RAY: each node's reporter would otherwise walk every process here every 5 s), and
+    # XLA compiles for the CPU as every process of the suite does (conftest.py: XLA_FLAGS).
+    image = {**QUIET_RAY, "XLA_FLAGS": os.environ["XLA_FLAGS"]}
     fake = FakeGke(POOLS, shared_dirs=[str(shared)], comeback_s=6.0,
-                   image_env={IMAGE: dict(QUIET_RAY), "example.com/tpulaunch:old": {**QUIET_RAY, "PYTHONPATH": str(old)}}
-                   ).start()
+                   image_env={IMAGE: image, "example.com/tpulaunch:old": {**image, "PYTHONPATH": str(old)}}).start()
     home = tmp_path_factory.mktemp("gke-home")
     work = tmp_path_factory.mktemp("gke-work")
     env = cli_env(home, KUBECONFIG=fake.kubeconfig, TPULAUNCH_HOME=str(home / "state"))

@@ -112,7 +112,7 @@ def test_user_env_wins_over_everything_on_every_attempt():
 
 
 def test_a_host_process_has_the_nodes_tpu_grid_and_the_plans_slices(monkeypatch):
-    """What the agent starts a host process with (`{**host_env(), **static, **per_run}`) on a GKE pod
+    """What the agent starts a host process with (`host.environment.start_env`) on a GKE pod
     of a multislice job. The TPU grid is the node's (the device plugin sets it beside
     TPU_SKIP_MDS_QUERY, and libtpu then reads nothing else), not Ray's sub-host rewrite of it in the
     agent's own worker. The slices are the plan's: after a shrink to one slice, nothing says two."""
@@ -127,8 +127,8 @@ def test_a_host_process_has_the_nodes_tpu_grid_and_the_plans_slices(monkeypatch)
     full = golden_plans()["real-2xv4-32-torch_xla"]
     for plan in (full, full.on_fleet([full.slices[0].name], {})):
         for h in plan.hosts:
-            static, per_run = split_env(plan.state(h.process_index))
-            env = {**environment.host_env(), **static, **per_run}
+            base, per_run = environment.start_env(plan.state(h.process_index))
+            env = {**base, **per_run}
             assert (env["TPU_HOST_BOUNDS"], env["TPU_CHIPS_PER_HOST_BOUNDS"]) == ("1,1,4", "2,2,1")
             assert "TPU_VISIBLE_CHIPS" not in env and env["TPU_SKIP_MDS_QUERY"] == "true"
             assert env["MEGASCALE_GRPC_ENABLE_XOR_TRACER"] == "false"  # a setting of the node's own: kept
@@ -176,6 +176,32 @@ def test_a_users_xla_flags_join_the_emulations_on_an_emulated_jax_host():
     assert xla_flags({"XLA_FLAGS": "--xla_dump_to=/tmp/d"}) == jax_env["XLA_FLAGS"] + " --xla_dump_to=/tmp/d"
     assert xla_flags({}) == jax_env["XLA_FLAGS"]
     assert xla_flags({"XLA_FLAGS": "--xla_dump_to=/tmp/d"}, emulated=False) == "--xla_dump_to=/tmp/d"
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch_xla"])
+def test_the_nodes_xla_flags_stay_under_an_emulated_hosts(monkeypatch, framework):
+    """A shell's XLA_FLAGS (an opt level, a dump dir) reaches a host process as on the real host: the
+    emulation's CPU device count (JAX's) and the user's --env flags go after it, not instead of it."""
+    from tpulaunch.host import environment
+
+    t = T.resolve(topology="2x8")
+    fw = frameworks.get(framework)
+    monkeypatch.setattr(environment, "_raylet_env", lambda: {})
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+
+    def flags(user_env: dict, emulated: bool = True) -> str | None:
+        p = build_plan(slices=[SliceSpec.emulated_from(t, "e")], mesh=plan_mesh(t), script="t.py", framework=framework,
+                       user_env=user_env, run_id="r", coordinator_port=1, jax_coordinator_port=2, emulated=emulated,
+                       emulation_env=fw.emulation_env(t, 1) if emulated else None, log_dir="/l", workdir="/w")
+        base, per_run = environment.start_env(p.state(0))
+        assert base == environment.spare_env(p.state(0))  # a spare starts as the host process would
+        return {**base, **per_run}.get("XLA_FLAGS")
+
+    own = fw.emulation_env(t, 1).get("XLA_FLAGS")
+    shell = "--xla_backend_optimization_level=0"
+    assert flags({}) == (f"{shell} {own}" if own else shell)
+    assert flags({"XLA_FLAGS": "--xla_dump_to=/d"}) == (f"{shell} {own} --xla_dump_to=/d" if own else "--xla_dump_to=/d")
+    assert flags({"XLA_FLAGS": "--xla_dump_to=/d"}, emulated=False) == "--xla_dump_to=/d"  # the user's --env sets it
 
 
 def test_endpoints_move_only_the_ports_a_plan_has():

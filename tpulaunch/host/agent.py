@@ -41,7 +41,7 @@ from tpulaunch import procfs
 from tpulaunch.errors import ExitCode
 from tpulaunch.host import heartbeat
 from tpulaunch.host.context import HEARTBEAT_ENV, TIMINGS_ENV
-from tpulaunch.host.environment import NICENESS_ENV, host_env, package_path, run_files_dir, spare_env
+from tpulaunch.host.environment import NICENESS_ENV, package_path, run_files_dir, spare_env, start_env
 from tpulaunch.host.process import HostProcess
 from tpulaunch.host.protocol import (
     AgentInfo,
@@ -54,7 +54,6 @@ from tpulaunch.host.protocol import (
 )
 from tpulaunch.host.spare import Spare
 from tpulaunch.plan.contract import HostState
-from tpulaunch.plan.env import split_env
 from tpulaunch.plan.launch import run_marker
 
 EXIT_TPU_BUSY = ExitCode.TPU_BUSY  # a leftover process holds this host's TPU (see `tpulaunch cluster doctor`)
@@ -206,12 +205,12 @@ class HostAgent:
             fd, self._timings = tempfile.mkstemp(prefix="tpulaunch-timings-", dir=where)
             os.close(fd)
             self._files = [path, self._heartbeat, self._timings]
-            static, per_run = split_env(state)
+            base, per_run = start_env(state)
             per_run.update({"TPULAUNCH_STATE": path, HEARTBEAT_ENV: self._heartbeat, TIMINGS_ENV: self._timings})
             cwd = options.cwd or os.getcwd()
             command = list(state.job.command)
             python = state.job.python
-            env = {**host_env(), **static, **per_run}
+            env = {**base, **per_run}
             if command or python:
                 spare, why = None, "a command, not a script" if command else "--python: the script's own interpreter"
             else:
@@ -252,8 +251,8 @@ class HostAgent:
 
         from tpulaunch.host import tpu_holders
 
-        static, per_run = split_env(state)
-        env = {**host_env(), **static, **per_run}
+        base, per_run = start_env(state)
+        env = {**base, **per_run}
         doc = {"script": state.job.script or None, "cache_dir": state.job.compile_cache, "log_dir": state.job.log_dir,
                "connect": [list(c) for c in request.connect], "bind": [list(b) for b in request.bind],
                "timeout_s": request.timeout_s}

@@ -57,8 +57,28 @@ def package_path() -> str:
 def spare_env(state: HostState) -> dict[str, str]:
     """The environment of a spare that can take `state`'s run: the node's, and what stays from
     run to run in the plan's (`split_env`); what each run sets is handed over with the run."""
-    env = host_env()
-    env.update(split_env(state)[0])
+    return start_env(state)[0]
+
+
+def start_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
+    """(what stays from run to run: the node's environment under the plan's; what this run and
+    attempt set). A host process starts with both, a spare with the first."""
+    static, per_run = split_env(state)
+    emulated_flags = state.job.emulated and "XLA_FLAGS" in state.job.emulation_env
+    return layered(host_env(), static, emulated_flags=emulated_flags), per_run
+
+
+def layered(node: dict[str, str], static: dict[str, str], emulated_flags: bool) -> dict[str, str]:
+    """The node's environment under the plan's `static` part. Pure.
+
+    XLA_FLAGS is the one both may set that must not simply be replaced: on an emulated host the
+    plan's flags start with the emulation's CPU device count, and the node's own (an opt level or a
+    dump dir the shell exported, as on the real host) must stay, before it: XLA takes the last of a
+    flag given twice, so the device count and then the user's `--env` flags still win.
+    """
+    env = {**node, **static}
+    if emulated_flags and node.get("XLA_FLAGS") and static.get("XLA_FLAGS"):
+        env["XLA_FLAGS"] = f"{node['XLA_FLAGS']} {static['XLA_FLAGS']}"
     return env
 
 
