@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Mapping
 
 from tpulaunch import procfs
 from tpulaunch.plan.contract import HostState
@@ -64,12 +65,11 @@ def start_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
     """(what stays from run to run: the node's environment under the plan's; what this run and
     attempt set). A host process starts with both, a spare with the first."""
     static, per_run = split_env(state)
-    emulated_flags = state.job.emulated and "XLA_FLAGS" in state.job.emulation_env
-    return layered(host_env(), static, emulated_flags=emulated_flags), per_run
+    return layered(host_env(), static, state), per_run
 
 
-def layered(node: dict[str, str], static: dict[str, str], emulated_flags: bool) -> dict[str, str]:
-    """The node's environment under the plan's `static` part. Pure.
+def layered(node: Mapping[str, str], static: dict[str, str], state: HostState) -> dict[str, str]:
+    """The node's environment under the plan's `static` part for `state`'s host. Pure.
 
     XLA_FLAGS is the one both may set that must not simply be replaced: on an emulated host the
     plan's flags start with the emulation's CPU device count, and the node's own (an opt level or a
@@ -77,6 +77,7 @@ def layered(node: dict[str, str], static: dict[str, str], emulated_flags: bool) 
     flag given twice, so the device count and then the user's `--env` flags still win.
     """
     env = {**node, **static}
+    emulated_flags = state.job.emulated and "XLA_FLAGS" in state.job.emulation_env
     if emulated_flags and node.get("XLA_FLAGS") and static.get("XLA_FLAGS"):
         env["XLA_FLAGS"] = f"{node['XLA_FLAGS']} {static['XLA_FLAGS']}"
     return env

@@ -80,11 +80,12 @@ def _boot_worker(state_blob: bytes, env: dict[str, str], local_index: int | None
     import traceback
 
     from tpulaunch.host import bootstrap, tpu_holders
+    from tpulaunch.host.environment import layered
 
     state: HostState = pickle.loads(state_blob)
     for key in PLAN_MULTISLICE_ENV:  # the node's own (a multislice pod's) are not this run's slices
         os.environ.pop(key, None)
-    os.environ.update(env)
+    os.environ.update(layered(os.environ, env, state))  # the node's XLA_FLAGS stay under an emulation's
     try:
         if not state.emulated:
             report = tpu_holders.scan()
