@@ -3,6 +3,7 @@ executable on PATH for gcloud), and helpers to run the real `tpulaunch` command 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -82,6 +83,13 @@ def cli_env(home: Path, *, gcloud: bool = False, **extra: str) -> dict[str, str]
         # CPU for seconds (CI once timed out at the default 10 s); the default is tested in the unit tier
         TPULAUNCH_API_TIMEOUT="60",
     )
+    if gcloud:
+        # the fake VMs' image (tests/fakes/bin/gcloud): Ray's background work per node as on an emulated
+        # cluster, since every "VM" shares this machine's cores; and XLA compiling as the suite's own
+        # processes do (conftest.py)
+        from tpulaunch.cluster.record import QUIET_RAY
+
+        env["FAKE_GCLOUD_VM_ENV"] = json.dumps({**QUIET_RAY, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")})
     env.update(extra)
     return env
 

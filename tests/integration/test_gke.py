@@ -150,7 +150,9 @@ def _final_losses(text: str) -> dict[int, str]:
     return out
 
 
-@pytest.mark.parametrize("recipe,framework", [("jax_transformer.py", "jax"), ("transformer_2d.py", "torch_xla")])
+# JAX's transformer with its 2-D sharding, and torch_xla's data-parallel MLP over the whole mesh (its
+# transformer's 2-D sharding runs on the shared cluster, test_run.py: twice the CPU of the MLP here)
+@pytest.mark.parametrize("recipe,framework", [("jax_transformer.py", "jax"), ("mlp_dp.py", "torch_xla")])
 def test_the_recipes_train_on_gke_as_on_an_emulated_cluster_of_that_shape(gke, recipe, framework):
     args = ("--num-slices", "2", "--dcn", "data=2", "--framework", framework)
     on_gke = cli(gke, "run", recipe, "--address", "auto", "--cpu-devices", *args, "--", "--steps", "3",
