@@ -59,13 +59,20 @@ def emulated_cluster(home: Path, *args: str, **extra_env: str):
     Yields {"env": env reaching it, "info": the `cluster up --json` document, "home": home}.
     """
     env = cli_env(TPULAUNCH_HOME=str(home), **extra_env)
+    record: dict = {}
     try:
         up = run_cli("cluster", "up", *args, "--json", env=env, timeout=300)
         assert up.returncode == 0, up.stderr
+        record = json.loads((home / "cluster.json").read_text())
         yield {"env": env, "info": json.loads(up.stdout), "home": home}
     finally:
         down = run_cli("cluster", "down", env=env, timeout=120)
     assert down.returncode == 0, down.stderr
+    # and nothing of it is left: no process names its id or temp dir (argv, environment, open files)
+    from tpulaunch.cluster import ownership
+
+    left = processes_mentioning([f"{ownership.ID_ENV}={record['cluster_id']}", record["temp_dir"]])
+    assert not left, left[:5]
 
 
 def run_json(*args: str, **kw) -> dict:

@@ -85,11 +85,13 @@ def cli_env(home: Path, *, gcloud: bool = False, **extra: str) -> dict[str, str]
     )
     if gcloud:
         # the fake VMs' image (tests/fakes/bin/gcloud): Ray's background work per node as on an emulated
-        # cluster, since every "VM" shares this machine's cores; and XLA compiling as the suite's own
-        # processes do (conftest.py)
+        # cluster, since every "VM" shares this machine's cores, but with Ray's metrics on as on a real
+        # VM (test_cluster_remote checks the agents' ports, the metrics exporter's among them); and XLA
+        # compiling as the suite's own processes do (conftest.py)
         from tpulaunch.cluster.record import QUIET_RAY
 
-        env["FAKE_GCLOUD_VM_ENV"] = json.dumps({**QUIET_RAY, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")})
+        image = {k: v for k, v in QUIET_RAY.items() if k != "RAY_enable_metrics_collection"}
+        env["FAKE_GCLOUD_VM_ENV"] = json.dumps({**image, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")})
     env.update(extra)
     return env
 

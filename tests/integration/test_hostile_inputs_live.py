@@ -33,25 +33,13 @@ def left_behind(needles: list[str]) -> list[str]:
     return processes_mentioning(needles)
 
 
-# -- a cluster of this module's own: dashboard, spares, and nothing else running on it -------------------
+# -- the side cluster (conftest.py): `cluster up` with the dashboard, as a user runs it; read only here --
 
 
-@pytest.fixture(scope="module")
-def own_cluster(tmp_path_factory):
-    """`cluster up` as a user runs it (the dashboard, a spare torch_xla process per host), that no run
-    uses while its sockets are looked at."""
-    home = tmp_path_factory.mktemp("tpl-hostile")
-    env = cli_env(TPULAUNCH_HOME=str(home))
-    up = run_cli("cluster", "up", "--topology", "2x2x2", "--accelerator", "v4", "--dashboard", "--json", env=env,
-                 timeout=300)
-    assert up.returncode == 0, up.stderr
-    record = json.loads((home / "cluster.json").read_text())
-    try:
-        yield {"env": env, "home": home, "info": json.loads(up.stdout), "record": record}
-    finally:
-        down = run_cli("cluster", "down", env=env, timeout=120)
-        assert down.returncode == 0, down.stderr
-    assert not left_behind([f"{ownership.ID_ENV}={record['cluster_id']}", record["temp_dir"]])
+@pytest.fixture
+def record(side_cluster) -> dict:
+    """The side cluster's record (`cluster.json`: its id, temp dir, addresses, token path)."""
+    return json.loads((side_cluster["home"] / "cluster.json").read_text())
 
 
 # -- 8. an emulated cluster listens on loopback only ---------------------------------------------------
@@ -96,12 +84,12 @@ def listening_sockets(pids: list[int]) -> list[tuple[ipaddress.IPv4Address | ipa
     return found
 
 
-@pytest.mark.lifecycle
-def test_an_emulated_cluster_listens_on_loopback_only(own_cluster):
+@pytest.mark.cluster
+def test_an_emulated_cluster_listens_on_loopback_only(record):
     """Before: the GCS, raylets, workers and the dashboard agent's gRPC listened on every interface, and
     the autoscaler monitor's and the dashboard's metrics (44217, 44227) answered /metrics on 0.0.0.0
     without the token. Every Ray component of the cluster is looked at, none skipped."""
-    rec = own_cluster["record"]
+    rec = record
     pids = ownership.cluster_pids(rec["cluster_id"], rec["temp_dir"])
     sockets = listening_sockets(pids)
     ports = {port for _ip, port, _pid in sockets}
@@ -121,9 +109,9 @@ def test_an_emulated_cluster_listens_on_loopback_only(own_cluster):
 # -- 3. a token file ending in a newline ---------------------------------------------------------------
 
 
-@pytest.mark.lifecycle
-def test_a_token_file_ending_in_a_newline_works_and_one_with_inner_whitespace_is_refused(own_cluster, tmp_path):
-    rec = own_cluster["record"]
+@pytest.mark.cluster
+def test_a_token_file_ending_in_a_newline_works_and_one_with_inner_whitespace_is_refused(record, tmp_path):
+    rec = record
     token = Path(rec["token_path"]).read_text()
     assert token == token.strip()
 
@@ -153,10 +141,10 @@ def test_a_token_file_ending_in_a_newline_works_and_one_with_inner_whitespace_is
 # -- 5. ray-driver.log that is a directory ---------------------------------------------------------------
 
 
-@pytest.mark.lifecycle
-def test_ray_driver_log_that_is_a_directory_is_one_line_naming_it(own_cluster, tmp_path):
+@pytest.mark.cluster
+def test_ray_driver_log_that_is_a_directory_is_one_line_naming_it(record, tmp_path):
     """Before: IsADirectoryError, exit 70, as the command connected to Ray."""
-    rec = own_cluster["record"]
+    rec = record
     home = tmp_path / "home"
     (home / "ray-driver.log").mkdir(parents=True)
     home.chmod(0o700)
