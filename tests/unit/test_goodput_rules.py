@@ -115,3 +115,21 @@ def test_the_trace_is_chrome_json_with_a_track_per_host():
     assert {"attempt 0", "attempt 1", "start-up", "steps", "preflight"} <= names
     assert any(e["ph"] == "C" for e in doc["traceEvents"]) and any(e["name"] == "checkpoint 40" for e in doc["traceEvents"])
     assert all(e["dur"] >= 0 for e in doc["traceEvents"] if e["ph"] == "X")
+
+
+def test_a_saves_time_counts_back_from_when_its_reply_came_not_when_the_loop_read_it(tmp_path):
+    """The watch hands the timeline the reply's arrival (`fleet.Reply.at`): a supervise loop busy with
+    other hosts' lines for a while must not move a save later, which shrank the steps redone after
+    a failure below the time they slept (0.417 s for 10 steps of 0.05 s, seen under load)."""
+    from tpulaunch.host.protocol import PollReply
+    from tpulaunch.run.summary import HostResult
+    from tpulaunch.run.watch import AttemptWatch, StopRules
+
+    tl = timeline.Timeline(tmp_path / "events.jsonl")
+    w = AttemptWatch(0, [HostResult(0, 0, 0)], StopRules(), now=0.0)
+    w.on_step = lambda host, reply, at: tl.on_step(0, host, reply, at)
+    saved = PollReply(lines=(), code=None, wall_s=1.0, ended=None, activity=0.0, step=45, step_age=0.1,
+                      first_step=(1, 2.0), checkpoint=(40, 0.1, 0.35))
+    w.on_reply(0, saved, 5.0, 1000.0)  # it came at 1000.0; the loop reads it later, whenever that is
+    ckpt = [e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines()) if e["kind"] == "checkpoint"]
+    assert [(e["step"], e["t"]) for e in ckpt] == [(40, 999.65)]

@@ -200,7 +200,7 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
     paths = RunPaths.of(plan.job.log_dir)
     logs, watch = attempt_watch(plan, limits)
     timeline = timeline or Timeline(None)
-    watch.on_step = lambda host, reply: timeline.on_step(plan.attempt, host, reply)
+    watch.on_step = lambda host, reply, at: timeline.on_step(plan.attempt, host, reply, at)
     hosts = watch.hosts
     timings: dict[str, float] = {}
     fleet: RayFleet | None = None
@@ -377,7 +377,7 @@ def supervise(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink,
             if isinstance(event, Reply):
                 if event.reply.lines:
                     _write(event.host, event.reply.lines, sink, logs, timings, t0)
-                action = watch.on_reply(event.host, event.reply, time.monotonic(), time.time())
+                action = watch.on_reply(event.host, event.reply, time.monotonic(), event.at)
             else:
                 action = watch.on_gone(event.host, event.cause, event.why)
             if action is not None and stop_deadline is None:

@@ -18,7 +18,7 @@ import re
 import socket
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tpulaunch.host.protocol import HostOptions, PollReply, PreflightReport, PreflightRequest, Started
@@ -47,6 +47,9 @@ def cadence(hosts: int) -> tuple[float, float]:
 class Reply:
     host: int  # index into the attempt's hosts (= process index)
     reply: PollReply
+    # when the reply arrived (time.time()), not when the loop got to it: the ages in it (a step's, a
+    # save's) count back from here, and a loop busy with other hosts' lines would place them late
+    at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ class RayFleet:
             return
         self._in_flight.add(i)
         ref = self.agents[i].poll.remote(MAX_LINES, self.poll_wait_s, self.batch_s)
-        ref.future().add_done_callback(lambda fut, i=i: self._queue.put((i, fut)))
+        ref.future().add_done_callback(lambda fut, i=i: self._queue.put((i, fut, time.time())))
 
     def events(self, timeout_s: float) -> list[Event]:
         import ray
@@ -152,7 +155,7 @@ class RayFleet:
             except queue.Empty:
                 break
         now = time.monotonic()
-        for i, fut in items:
+        for i, fut, at in items:
             self._in_flight.discard(i)
             try:
                 reply: PollReply = fut.result()
@@ -178,7 +181,7 @@ class RayFleet:
                 self._done.add(i)
             else:
                 self._arm(i)
-            out.append(Reply(i, reply))
+            out.append(Reply(i, reply, at))
         return out
 
     def _why_dead(self, i: int, err: Exception) -> tuple[Cause, str]:

@@ -70,7 +70,7 @@ class AttemptWatch:
         self.hosts = hosts
         self.rules = rules
         # facts for the run's timeline (steps, checkpoints), recorded as they come; decides nothing
-        self.on_step: Callable[[int, PollReply], None] | None = None
+        self.on_step: Callable[[int, PollReply, float], None] | None = None  # (host, reply, when it came)
         # elastic: asked each check whether to end the attempt and grow back (a reason, or None)
         self.grow: Callable[[AttemptWatch, float], str | None] | None = None
         self.saved: dict[int, tuple[int, float]] = {}  # host -> (step, when: the loop's clock) of its last checkpoint
@@ -118,7 +118,7 @@ class AttemptWatch:
             self.steps.record(i, reply.step, now)
             r.step, r.step_rate = reply.step, self.steps.overall(i)
         if self.on_step is not None and reply.step is not None:
-            self.on_step(i, reply)
+            self.on_step(i, reply, wall_now)
         r.wall_s = reply.wall_s
         action: Action = None
         if reply.preempted and not r.preempted:
