@@ -68,16 +68,18 @@ def start_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
     return layered(host_env(), static, state), per_run
 
 
-def layered(node: Mapping[str, str], static: dict[str, str], state: HostState) -> dict[str, str]:
+def layered(node: Mapping[str, str], static: Mapping[str, str], state: HostState) -> dict[str, str]:
     """The node's environment under the plan's `static` part for `state`'s host. Pure.
 
     XLA_FLAGS is the one both may set that must not simply be replaced: on an emulated host the
-    plan's flags start with the emulation's CPU device count, and the node's own (an opt level or a
-    dump dir the shell exported, as on the real host) must stay, before it: XLA takes the last of a
-    flag given twice, so the device count and then the user's `--env` flags still win.
+    plan's flags are the emulation's CPU device count, and the node's own (an opt level or a dump
+    dir the shell exported, as on the real host) must stay, before it (XLA takes the last of a flag
+    given twice). A user's `--env XLA_FLAGS` sets them as on a real host: the node's go, the
+    emulation's device count stays first (`plan.env.split_env`).
     """
     env = {**node, **static}
-    emulated_flags = state.job.emulated and "XLA_FLAGS" in state.job.emulation_env
+    job = state.job
+    emulated_flags = job.emulated and "XLA_FLAGS" in job.emulation_env and "XLA_FLAGS" not in job.user_env
     if emulated_flags and node.get("XLA_FLAGS") and static.get("XLA_FLAGS"):
         env["XLA_FLAGS"] = f"{node['XLA_FLAGS']} {static['XLA_FLAGS']}"
     return env
