@@ -377,7 +377,7 @@ def supervise(plan: LaunchPlan, fleet: Fleet, watch: W.AttemptWatch, sink: Sink,
             if isinstance(event, Reply):
                 if event.reply.lines:
                     _write(event.host, event.reply.lines, sink, logs, timings, t0)
-                action = watch.on_reply(event.host, event.reply, time.monotonic(), event.at)
+                action = watch.on_reply(event.host, event.reply, event.at_monotonic, event.at)
             else:
                 action = watch.on_gone(event.host, event.cause, event.why)
             if action is not None and stop_deadline is None:

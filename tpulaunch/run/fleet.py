@@ -47,9 +47,11 @@ def cadence(hosts: int) -> tuple[float, float]:
 class Reply:
     host: int  # index into the attempt's hosts (= process index)
     reply: PollReply
-    # when the reply arrived (time.time()), not when the loop got to it: the ages in it (a step's, a
-    # save's) count back from here, and a loop busy with other hosts' lines would place them late
+    # when the reply arrived (time.time(), and time.monotonic() for the watch's own clock), not when
+    # the loop got to it: the ages in it (a step's, a save's) count back from here, and a loop busy
+    # with other hosts' lines would place them late
     at: float = field(default_factory=time.time)
+    at_monotonic: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ class RayFleet:
             return
         self._in_flight.add(i)
         ref = self.agents[i].poll.remote(MAX_LINES, self.poll_wait_s, self.batch_s)
-        ref.future().add_done_callback(lambda fut, i=i: self._queue.put((i, fut, time.time())))
+        ref.future().add_done_callback(lambda fut, i=i: self._queue.put((i, fut, time.time(), time.monotonic())))
 
     def events(self, timeout_s: float) -> list[Event]:
         import ray
@@ -155,7 +157,7 @@ class RayFleet:
             except queue.Empty:
                 break
         now = time.monotonic()
-        for i, fut, at in items:
+        for i, fut, at, at_monotonic in items:
             self._in_flight.discard(i)
             try:
                 reply: PollReply = fut.result()
@@ -181,7 +183,7 @@ class RayFleet:
                 self._done.add(i)
             else:
                 self._arm(i)
-            out.append(Reply(i, reply, at))
+            out.append(Reply(i, reply, at, at_monotonic))
         return out
 
     def _why_dead(self, i: int, err: Exception) -> tuple[Cause, str]:
