@@ -38,7 +38,8 @@ def shared_cluster(tmp_path_factory):
     """One warm emulated slice (`tpulaunch cluster up`, `support.SHARED`: a v5p-16, 2 hosts of 4 chips)
     for every test that launches on it.
 
-    Yields {"env": env reaching it (TPULAUNCH_HOME), "info": the `cluster up --json` document}.
+    Yields {"env": env reaching it (TPULAUNCH_HOME), "info": the `cluster up --json` document, "home",
+    "record": its `cluster.json`} (`support.emulated_cluster`).
     """
     # no dashboard: its tests start no detached run (Ray jobs, which the side cluster's tests start)
     with emulated_cluster(tmp_path_factory.mktemp("tpl-home"), *SHARED, "--no-dashboard") as cluster:
@@ -49,7 +50,8 @@ def shared_cluster(tmp_path_factory):
 def side_cluster(tmp_path_factory):
     """A second emulated slice shaped as the shared one, with no spares, for the modules that need a
     cluster of that shape but no warm host and nothing another test left (Ray Train's fits, whose
-    workers are Ray Train's own actors; per-host input; the Python client; goodput; detached runs):
+    workers are Ray Train's own actors; per-host input; the Python client; goodput; detached runs;
+    the hostile inputs that only read a cluster with the dashboard):
     a unit of their own in `./scripts/test`'s queue, beside the shared cluster's tests (`streams.py`).
     """
     # --dashboard: detached runs are Ray jobs; Ray Train's placement-group cleaner asks the state API

@@ -56,7 +56,8 @@ def emulated_cluster(home: Path, *args: str, **extra_env: str):
     """`tpulaunch cluster up ARGS --json` under TPULAUNCH_HOME=home (and `extra_env`), then
     `cluster down`, also when the body fails (its failure is the one reported).
 
-    Yields {"env": env reaching it, "info": the `cluster up --json` document, "home": home}.
+    Yields {"env": env reaching it, "info": the `cluster up --json` document, "home": home, "record": its
+    record (`cluster.json`: its id, temp dir, addresses, token path)}.
     """
     env = cli_env(TPULAUNCH_HOME=str(home), **extra_env)
     record: dict = {}
@@ -64,7 +65,7 @@ def emulated_cluster(home: Path, *args: str, **extra_env: str):
         up = run_cli("cluster", "up", *args, "--json", env=env, timeout=300)
         assert up.returncode == 0, up.stderr
         record = json.loads((home / "cluster.json").read_text())
-        yield {"env": env, "info": json.loads(up.stdout), "home": home}
+        yield {"env": env, "info": json.loads(up.stdout), "home": home, "record": record}
     finally:
         down = run_cli("cluster", "down", env=env, timeout=120)
     assert down.returncode == 0, down.stderr

@@ -64,7 +64,7 @@ def test_cluster_down_never_touches_what_a_record_names_but_tpulaunch_did_not_ma
 @pytest.mark.lifecycle
 def test_a_corrupt_record_does_not_orphan_its_cluster_and_a_wrong_token_says_so(tmp_path, shared_cluster):
     """(The shared cluster, another TPULAUNCH_HOME's, stands for a parallel CI job's: --force leaves it.)"""
-    shared_id = json.loads((shared_cluster["home"] / "cluster.json").read_text())["cluster_id"]
+    shared_id = shared_cluster["record"]["cluster_id"]
     home = tmp_path / "home"
     env = cli_env(TPULAUNCH_HOME=str(home))
     up = run_cli("cluster", "up", "--topology", "2x2", "--prewarm", "none", "--json", env=env, timeout=180)

@@ -33,15 +33,6 @@ def left_behind(needles: list[str]) -> list[str]:
     return processes_mentioning(needles)
 
 
-# -- the side cluster (conftest.py): `cluster up` with the dashboard, as a user runs it; read only here --
-
-
-@pytest.fixture
-def record(side_cluster) -> dict:
-    """The side cluster's record (`cluster.json`: its id, temp dir, addresses, token path)."""
-    return json.loads((side_cluster["home"] / "cluster.json").read_text())
-
-
 # -- 8. an emulated cluster listens on loopback only ---------------------------------------------------
 
 
@@ -85,11 +76,11 @@ def listening_sockets(pids: list[int]) -> list[tuple[ipaddress.IPv4Address | ipa
 
 
 @pytest.mark.cluster
-def test_an_emulated_cluster_listens_on_loopback_only(record):
+def test_an_emulated_cluster_listens_on_loopback_only(side_cluster):
     """Before: the GCS, raylets, workers and the dashboard agent's gRPC listened on every interface, and
     the autoscaler monitor's and the dashboard's metrics (44217, 44227) answered /metrics on 0.0.0.0
     without the token. Every Ray component of the cluster is looked at, none skipped."""
-    rec = record
+    rec = side_cluster["record"]
     pids = ownership.cluster_pids(rec["cluster_id"], rec["temp_dir"])
     sockets = listening_sockets(pids)
     ports = {port for _ip, port, _pid in sockets}
@@ -110,8 +101,8 @@ def test_an_emulated_cluster_listens_on_loopback_only(record):
 
 
 @pytest.mark.cluster
-def test_a_token_file_ending_in_a_newline_works_and_one_with_inner_whitespace_is_refused(record, tmp_path):
-    rec = record
+def test_a_token_file_ending_in_a_newline_works_and_one_with_inner_whitespace_is_refused(side_cluster, tmp_path):
+    rec = side_cluster["record"]
     token = Path(rec["token_path"]).read_text()
     assert token == token.strip()
 
@@ -142,9 +133,9 @@ def test_a_token_file_ending_in_a_newline_works_and_one_with_inner_whitespace_is
 
 
 @pytest.mark.cluster
-def test_ray_driver_log_that_is_a_directory_is_one_line_naming_it(record, tmp_path):
+def test_ray_driver_log_that_is_a_directory_is_one_line_naming_it(side_cluster, tmp_path):
     """Before: IsADirectoryError, exit 70, as the command connected to Ray."""
-    rec = record
+    rec = side_cluster["record"]
     home = tmp_path / "home"
     (home / "ray-driver.log").mkdir(parents=True)
     home.chmod(0o700)
