@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import numpy as np

@@ -151,18 +151,31 @@ def _final_losses(text: str) -> dict[int, str]:
 
 
 # JAX's transformer with its 2-D sharding, and torch_xla's data-parallel MLP over the whole mesh (its
-# transformer's 2-D sharding runs on the shared cluster, test_run.py: twice the CPU of the MLP here)
+# transformer's 2-D sharding runs on the shared cluster, test_run.py: twice the CPU of the MLP here).
+# The emulated run is also the suite's emulated multislice run from nothing (`run --topology
+# --num-slices 2`: two slices gang-scheduled on a cluster made for the run; one runtime of 4 processes,
+# the data axis over DCN).
 @pytest.mark.parametrize("recipe,framework", [("jax_transformer.py", "jax"), ("mlp_dp.py", "torch_xla")])
 def test_the_recipes_train_on_gke_as_on_an_emulated_cluster_of_that_shape(gke, recipe, framework):
     args = ("--num-slices", "2", "--dcn", "data=2", "--framework", framework)
     on_gke = cli(gke, "run", recipe, "--address", "auto", "--cpu-devices", *args, "--", "--steps", "3",
                  cwd=REPO / "recipes", timeout=600)
     assert on_gke.returncode == 0, on_gke.stdout[-3000:] + on_gke.stderr[-2000:]
-    emulated = run_cli("run", recipe, "--topology", "2x2x2", "--accelerator", "v5p", *args, "--", "--steps", "3",
-                       env=cli_env(gke.home / "emulated"), cwd=REPO / "recipes", timeout=600)
+    logs = gke.home / f"emulated-{framework}-runs"
+    emulated = run_cli("run", recipe, "--topology", "2x2x2", "--accelerator", "v5p", *args, "--log-dir", str(logs),
+                       "--json", "--", "--steps", "3", env=cli_env(gke.home / "emulated"), cwd=REPO / "recipes",
+                       timeout=600)
     assert emulated.returncode == 0, emulated.stdout[-3000:] + emulated.stderr[-2000:]
-    got, want = _final_losses(on_gke.stdout + on_gke.stderr), _final_losses(emulated.stdout + emulated.stderr)
+    summary = json.loads(emulated.stdout)
+    assert [(h["slice_index"], h["worker_id"]) for h in summary["hosts"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [s["name"] for s in summary["slices"]] == ["emulated-0", "emulated-1"]
+    assert summary["mesh"]["dcn_shape"][0] == 2
+    host_logs = "".join(Path(h["log"]).read_text() for h in summary["hosts"])
+    got, want = _final_losses(on_gke.stdout + on_gke.stderr), _final_losses(host_logs)
     assert sorted(got) == [0, 1, 2, 3] and got == want, (got, want)
+    for h in summary["hosts"]:  # each host's loss fell (steps 0 and 2)
+        losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", Path(h["log"]).read_text())]
+        assert len(losses) == 2 and losses[-1] < losses[0], (h["process_index"], losses)
     assert "CPU devices stand in for the chips" in on_gke.stdout + on_gke.stderr
 
 

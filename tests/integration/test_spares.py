@@ -18,7 +18,6 @@ import sys
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 

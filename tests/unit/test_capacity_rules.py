@@ -11,7 +11,7 @@ import pytest
 
 from tpulaunch.cluster.record import ClusterInfo, RemoteSpec
 from tpulaunch.provision.capacity import SliceOrder, check_order, queued_resource_body
-from tpulaunch.errors import CapacityError, ExitCode, LaunchError
+from tpulaunch.errors import ExitCode, LaunchError
 from tpulaunch.plan.launch import build_plan
 from tpulaunch.plan.mesh import plan_mesh
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint

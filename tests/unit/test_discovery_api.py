@@ -16,7 +16,6 @@ from fakes.tpu_api_server import FakeTpuApi, make_node, standard_nodes, standard
 from tpulaunch.run.prepare import prepare
 from tpulaunch import discover as discovery
 from tpulaunch import cloud_tpu
-from tpulaunch.discover import tpu_api
 from tpulaunch.errors import (
     ApiPermissionError,
     ApiUnreachableError,

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from mesh_utils_ref import devices, hybrid, jax_ids, no_worse
+from mesh_utils_ref import hybrid, jax_ids, no_worse
 from tpulaunch.errors import MeshError
 from tpulaunch.plan import catalog as C
 from tpulaunch.plan import mesh as M

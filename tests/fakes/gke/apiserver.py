@@ -1828,7 +1828,7 @@ class ApiServer:
         if path in ("/healthz", "/livez", "/readyz"):
             return self._send(req, 200, b"ok", "text/plain; charset=utf-8")
         if req.method != "GET" and path in ("/version", "/api", "/apis", "/"):
-            raise MethodNotAllowed(f"the server does not allow this method on the requested resource", {})
+            raise MethodNotAllowed("the server does not allow this method on the requested resource", {})
         served = self._served()
         if path == "/version":
             return self._send(req, 200, self._version())

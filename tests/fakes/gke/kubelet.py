@@ -243,7 +243,7 @@ class Kubelet:
         while not self._stop.is_set():
             try:
                 self._pass()
-            except Exception as e:  # noqa: BLE001 - the fake's own bug: keep it, show it in the test
+            except Exception:  # noqa: BLE001 - the fake's own bug: keep it, show it in the test
                 import traceback
 
                 self.errors.append(traceback.format_exc())

@@ -84,7 +84,7 @@ def validate_label_key(key: str) -> str | None:
     """Why `key` is not a valid label key (a qualified name), or None."""
     prefix, _, name = key.rpartition("/")
     if "/" in key and not prefix:
-        return f"prefix part must be non-empty"
+        return "prefix part must be non-empty"
     if prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix)):
         return ("prefix part a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
                 "and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation "
