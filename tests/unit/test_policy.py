@@ -96,3 +96,10 @@ def test_a_run_stopped_between_attempts_ends_143_whatever_it_was_doing():
         assert (s.outcome, s.exit_code, s.interrupted) == (Outcome.INTERRUPTED, code, signal.Signals(signum).name)
     s = _summary(plan, [preempted], Spent(), None, None, 1.0, {})
     assert (s.outcome, s.exit_code) == (Outcome.PREEMPTED, 75)
+
+
+def test_an_attempt_names_its_first_failed_host_or_itself():
+    failed = attempt(Outcome.FAILED, 3, Cause.EXITED)
+    assert failed.blamed == failed.who == "host 1 x"
+    ok = Attempt(index=0, outcome=Outcome.PREEMPTED, exit_code=0, hosts=[], log_dir="/l", note="slice b preempted")
+    assert ok.blamed == "the attempt" and ok.who == "slice b preempted"

@@ -83,8 +83,7 @@ def _next(action: policy.Action, a: Attempt, current: LaunchPlan, full: LaunchPl
         current, full, why = resize.replace_hung(a, current, full, ctx)
         return current, full, spent, why
     if action is policy.Action.RESTART:
-        who = a.who if a.first_failure else "the attempt"
-        ctx.sink.progress(f"{who}: restarting the whole slice (restart {spent.restarts} of"
+        ctx.sink.progress(f"{a.blamed}: restarting the whole slice (restart {spent.restarts} of"
                           f" {ctx.sup.budgets.max_restarts})")
         nxt = resize.next_attempt(current, "restart")
         return nxt, nxt if nxt.mesh.num_slices == full.mesh.num_slices else full, spent, None

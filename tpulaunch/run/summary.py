@@ -121,8 +121,13 @@ class Attempt:
     @property
     def who(self) -> str | None:
         """What ended it in a few words, the first host to fail or the attempt's note."""
+        return self.blamed if self.first_failure is not None else self.note
+
+    @property
+    def blamed(self) -> str:
+        """Whom a progress line about the next attempt names: the first host to fail, else the attempt."""
         f = self.first_failure
-        return f"host {f.process_index} {f.reason}" if f is not None else self.note
+        return f"host {f.process_index} {f.reason}" if f is not None else "the attempt"
 
     def to_dict(self) -> dict:
         d = asdict(self)

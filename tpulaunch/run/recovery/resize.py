@@ -128,8 +128,7 @@ def wait_for_lost(a: Attempt, current: LaunchPlan, hit: set[str], ctx: RunContex
             a.note = "; ".join(dict.fromkeys(f"slice {r.slice} preempted ({r.why})" for r in a.recreated))
             current = current.on_slices(recreate.in_run_order(current.slices, slices))
     left = max(1.0, rec.preemption_wait - (time.monotonic() - t0))
-    who = a.who if a.first_failure else "the attempt"
-    ctx.sink.progress(f"{who}: waiting up to {left:.0f} s for the slice to be whole again in Ray"
+    ctx.sink.progress(f"{a.blamed}: waiting up to {left:.0f} s for the slice to be whole again in Ray"
                       f" (preemption {spent.preemptions} of {budget})")
     t1 = time.monotonic()
     if not wait_whole(current, left, ctx):
