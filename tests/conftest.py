@@ -5,11 +5,11 @@
   and shared; a second one of its shape (`side_cluster`, no spares) serves some of its tests
   beside it; only lifecycle tests start their own.
 * `tests/unit/` is the unit tier (`./scripts/test -m unit`), `tests/integration/` the rest.
-* `./scripts/test` (no arguments) runs three pytest processes side by side, which take the suite's
+* `./scripts/test` (no arguments) runs four pytest processes side by side, which take the suite's
   units (the shared cluster's tests, the side cluster's, each other module) from one queue, largest
   first (`streams.py`). Each process spends much of its time waiting on processes (run alone, the
-  shared cluster's tests used 1.3 cores of two: 643 CPU-s in 489 s), so the other two come off the
-  wall time. The side cluster takes Ray Train's fits, the per-host input checks, the detached
+  shared cluster's tests used 1.3 cores of two: 643 CPU-s in 489 s), so the others come off the
+  wall time (why four on 2 cores: `scripts/test`). The side cluster takes Ray Train's fits, the per-host input checks, the detached
   runs', the Python client's and goodput's tests off the shared one, whose unit would otherwise
   take longer than half the suite. (pytest-xdist's `loadgroup` would do it, but its 3.8 cannot
   group on pytest 9.2, whose nodes keep their id elsewhere.)
