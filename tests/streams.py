@@ -29,11 +29,16 @@ import machine
 
 QUEUE = os.environ.get("TPULAUNCH_TEST_QUEUE")
 
-# The units that take longest, first (CPU-s of each run alone on these machines, 2026-11-26: the
-# shared cluster's ~420, Ray Train's fits and the side cluster's other tests ~240, the re-created
-# slices 183, elastic 102, TorchTPU 43); the rest follow, the integration modules before the unit
-# tier's (many small units last, so that the processes end together).
-FIRST = ("shared cluster", "test_gke.py", "side cluster", "test_recreate.py", "test_elastic.py", "test_torch_tpu.py")
+# The units that take longest, first, by their seconds in four-process fresh-clone runs (2026-11-28:
+# the shared cluster's 554-601, test_gke 549-573, test_recreate 503-528, the side cluster's 458-480,
+# elastic 123-133, spares 99-104, node starts 79-80, cluster_remote 58-63, the hang 56-61, TorchTPU
+# 39-60, the warm cluster 36-39, rehearsal 21-32, faults 25-32); the rest follow, the integration
+# modules before the unit tier's, whose slowest (waits on a clock: 10-26 s) go first among them, so
+# that the last units taken are the many small ones and the processes end together.
+FIRST = ("shared cluster", "test_gke.py", "test_recreate.py", "side cluster", "test_elastic.py", "test_spares.py",
+         "test_node_start.py", "test_cluster_remote.py", "test_hang.py", "test_torch_tpu.py", "test_warm.py",
+         "test_rehearsal_runs.py", "test_faults.py")
+SLOW_UNIT_TIER = ("test_slice_capacity.py", "test_placement.py")
 
 
 def unit_of(item: pytest.Item) -> str:
@@ -49,8 +54,9 @@ def units(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
     for item in items:
         out.setdefault(unit_of(item), []).append(item)
 
-    def rank(name: str) -> tuple[int, bool]:
-        return (FIRST.index(name) if name in FIRST else len(FIRST), "/tests/unit/" in str(out[name][0].path))
+    def rank(name: str) -> tuple[int, bool, int]:
+        slow = SLOW_UNIT_TIER.index(name) if name in SLOW_UNIT_TIER else len(SLOW_UNIT_TIER)
+        return (FIRST.index(name) if name in FIRST else len(FIRST), "/tests/unit/" in str(out[name][0].path), slow)
 
     return {name: out[name] for name in sorted(out, key=rank)}
 
