@@ -170,11 +170,11 @@ def test_the_recipes_train_on_gke_as_on_an_emulated_cluster_of_that_shape(gke, r
     assert [(h["slice_index"], h["worker_id"]) for h in summary["hosts"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [s["name"] for s in summary["slices"]] == ["emulated-0", "emulated-1"]
     assert summary["mesh"]["dcn_shape"][0] == 2
-    host_logs = "".join(Path(h["log"]).read_text() for h in summary["hosts"])
-    got, want = _final_losses(on_gke.stdout + on_gke.stderr), _final_losses(host_logs)
+    host_logs = [Path(h["log"]).read_text() for h in summary["hosts"]]
+    got, want = _final_losses(on_gke.stdout + on_gke.stderr), _final_losses("".join(host_logs))
     assert sorted(got) == [0, 1, 2, 3] and got == want, (got, want)
-    for h in summary["hosts"]:  # each host's loss fell (steps 0 and 2)
-        losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", Path(h["log"]).read_text())]
+    for h, log in zip(summary["hosts"], host_logs):  # each host's loss fell (steps 0 and 2)
+        losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", log)]
         assert len(losses) == 2 and losses[-1] < losses[0], (h["process_index"], losses)
     assert "CPU devices stand in for the chips" in on_gke.stdout + on_gke.stderr
 
