@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import invoke
+from fakes import closed_port, invoke
 from support import cli_env
 from tpulaunch.cluster import jobs
 from tpulaunch.cluster.record import check_token_file, load_record
@@ -136,3 +136,52 @@ def test_a_job_api_that_trickles_is_cut_off_by_its_total_bound(junk_api):
     with pytest.raises(ClusterError, match="took longer than 1 s"):
         junk_api.info("trickle")
     assert time.monotonic() - t0 < 3
+
+
+class _Version(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):  # quiet
+        pass
+
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        refuse = self.server.refuse  # type: ignore[attr-defined]
+        self.send_response(401 if refuse else 200)
+        self.end_headers()
+        self.wfile.write(b"no" if refuse else b'{"ray_version": "2.60.0"}')
+
+
+def _serve_later(port: int, delay: float, refuse: bool) -> list[http.server.ThreadingHTTPServer]:
+    started: list[http.server.ThreadingHTTPServer] = []
+
+    def start() -> None:
+        time.sleep(delay)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Version)
+        server.refuse = refuse  # type: ignore[attr-defined]
+        started.append(server)
+        server.serve_forever()
+
+    threading.Thread(target=start, daemon=True).start()
+    return started
+
+
+def test_a_dashboard_that_answers_late_is_waited_for_and_a_refusal_is_not():
+    unused_port = closed_port()
+    # a head pod is ready before its dashboard answers (KubeRay's probe asks the dashboard agent)
+    started = _serve_later(unused_port, 1.5, refuse=False)
+    api = jobs.JobApi(f"http://127.0.0.1:{unused_port}", None, timeout=1.0)
+    with pytest.raises(jobs.Unreachable):
+        api.version()  # nothing listens yet
+    assert api.wait_answering(30)["ray_version"] == "2.60.0"
+    started[0].shutdown()
+    started[0].server_close()
+    with pytest.raises(jobs.Unreachable):
+        api.wait_answering(0.5)  # gone: waited for, then one line
+    refusing = _serve_later(unused_port, 0, refuse=True)
+    for _ in range(200):
+        if refusing:
+            break
+        time.sleep(0.05)
+    with pytest.raises(ClusterError, match="refused no token") as e:
+        api.wait_answering(30)
+    assert not isinstance(e.value, jobs.Unreachable)
+    refusing[0].shutdown()
+    refusing[0].server_close()

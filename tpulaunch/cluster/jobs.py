@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -26,6 +27,10 @@ from tpulaunch.errors import ClusterError
 TIMEOUT_S = 15.0  # one request, whole (a head that answers a byte a second is cut off too)
 MAX_ANSWER = 64 << 20  # what one answer may hold (a run's whole log included)
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+class Unreachable(ClusterError):
+    """Nothing answered at the dashboard's address (refused, reset, or no answer in time)."""
 
 
 @dataclass(frozen=True)
@@ -107,12 +112,26 @@ class JobApi:
             raise _HttpError(e.code, text) from None
         except (urllib.error.URLError, OSError) as e:
             why = getattr(e, "reason", e)
-            raise ClusterError(f"cannot reach the Ray dashboard (job API) at {self.url}: {why}",
-                               "is the cluster up, with its dashboard? (`tpulaunch cluster status`)") from None
+            raise Unreachable(f"cannot reach the Ray dashboard (job API) at {self.url}: {why}",
+                              "is the cluster up, with its dashboard? (`tpulaunch cluster status`)") from None
         return _read_bounded(resp, self.url, timeout)
 
     def version(self) -> dict:
         return json.loads(self._request("GET", "/api/version"))
+
+    def wait_answering(self, timeout_s: float) -> dict:
+        """The dashboard's version, once it answers: a head is ready before its dashboard is (KubeRay's
+        probe asks the dashboard agent) and a loaded head may not answer the first request in time.
+        Only an unreachable dashboard is waited for (a refused token is not); `Unreachable` after
+        `timeout_s`."""
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.version()
+            except Unreachable:
+                if time.monotonic() >= end:
+                    raise
+            time.sleep(1.0)
 
     def put_package(self, uri: str, data: bytes) -> None:
         """Store `data` in the cluster's GCS under `uri` (`gcs://NAME`), as Ray's job client stores a

@@ -153,6 +153,7 @@ def up(checked: Checked, say: Say) -> ClusterInfo:
         provider = GkeProvider(info)
         kuberay.wait_head(kube, request.name, request.timeout_s, say)
         api = provider.job_api(kube)
+        api.wait_answering(request.timeout_s)
         check_image(api, req.image, say)  # as soon as the head runs: a wrong image fails before any TPU wait
         pods = kuberay.wait_pods(kube, request.name, manifest.GROUP, req.replicas, shape.hosts, request.timeout_s,
                                  lambda prog, head: say(_progress_line(prog, head)))
