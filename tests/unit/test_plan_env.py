@@ -228,3 +228,17 @@ def test_env_flags_must_be_key_value(bad):
 
     with pytest.raises(LaunchError, match="is not KEY=VALUE"):
         parse_env([bad])
+
+
+@pytest.mark.parametrize("node,emulation,user,want", [
+    (None, None, None, None),
+    ("-n", None, None, "-n"),  # a real host: the node's own
+    ("-n", "-e", None, "-n -e"),  # an emulated host: the device count after the shell's flags
+    ("-n", "-e", "-u", "-e -u"),  # the user's replace the node's, after the device count
+    (None, None, "-u", "-u"),
+    ("-n", None, "", ""),  # `--env XLA_FLAGS=` clears them, as on a real host
+])
+def test_xla_flags_from_the_node_the_emulation_and_the_user(node, emulation, user, want):
+    from tpulaunch.plan.env import xla_flags
+
+    assert xla_flags(node, emulation, user) == want

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from tpulaunch import procfs
 from tpulaunch.plan.contract import HostState
-from tpulaunch.plan.env import PLAN_MULTISLICE_ENV, split_env
+from tpulaunch.plan.env import PLAN_MULTISLICE_ENV, split_env, xla_flags
 
 # What Ray gives its worker processes (this agent is one) that describes that worker, not the host.
 NICENESS_ENV = "RAY_worker_niceness"
@@ -71,17 +71,15 @@ def start_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
 def layered(node: Mapping[str, str], static: Mapping[str, str], state: HostState) -> dict[str, str]:
     """The node's environment under the plan's `static` part for `state`'s host. Pure.
 
-    XLA_FLAGS is the one both may set that must not simply be replaced: on an emulated host the
-    plan's flags are the emulation's CPU device count, and the node's own (an opt level or a dump
-    dir the shell exported, as on the real host) must stay, before it (XLA takes the last of a flag
-    given twice). A user's `--env XLA_FLAGS` sets them as on a real host: the node's go, the
-    emulation's device count stays first (`plan.env.split_env`).
+    XLA_FLAGS is the one both may set that must not simply be replaced: the node's own stay under an
+    emulated host's device count unless the user set them (`plan.env.xla_flags`).
     """
     env = {**node, **static}
     job = state.job
-    emulated_flags = job.emulated and "XLA_FLAGS" in job.emulation_env and "XLA_FLAGS" not in job.user_env
-    if emulated_flags and node.get("XLA_FLAGS") and static.get("XLA_FLAGS"):
-        env["XLA_FLAGS"] = f"{node['XLA_FLAGS']} {static['XLA_FLAGS']}"
+    flags = xla_flags(node.get("XLA_FLAGS"), job.emulation_env.get("XLA_FLAGS") if job.emulated else None,
+                      job.user_env.get("XLA_FLAGS"))
+    if flags is not None:
+        env["XLA_FLAGS"] = flags
     return env
 
 

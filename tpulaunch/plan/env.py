@@ -68,6 +68,16 @@ def libtpu_args(ours: str | None, theirs: str | None) -> str | None:
     return " ".join(parts) or None
 
 
+def xla_flags(node: str | None, emulation: str | None, user: str | None) -> str | None:
+    """XLA_FLAGS from the three places that may set them, in the order XLA reads them (the last of a
+    flag given twice wins). A user's `--env XLA_FLAGS` sets them as on a real host: the node's go, and
+    the emulation's CPU device count stays first. Without it the node's own (an opt level or a dump dir
+    the shell exported, as on the real host) stay, before the emulation's. None: nobody set them."""
+    parts = [emulation, user] if user is not None else [node, emulation]
+    given = [p for p in parts if p is not None]
+    return " ".join(p for p in given if p) if given else None
+
+
 def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
     """(what stays from run to run on this host, what this run and attempt set). Disjoint; the
     user's `--env` wins over both, in the first part where it may be read at import, else in the
@@ -125,10 +135,9 @@ def split_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
             per_run["TPULAUNCH_EMULATION_PORT"] = str(ends.emulation_port)
     at_import = {k: v for k, v in job.user_env.items() if read_at_import(k)}
     static.update(at_import)
-    if job.emulated and "XLA_FLAGS" in job.emulation_env and "XLA_FLAGS" in job.user_env:
-        # both: the emulation's CPU device count and the user's own flags (a dump dir, say); the
-        # user's come last, and XLA takes the last of a flag given twice
-        static["XLA_FLAGS"] = f"{job.emulation_env['XLA_FLAGS']} {job.user_env['XLA_FLAGS']}"
+    flags = xla_flags(None, job.emulation_env.get("XLA_FLAGS") if job.emulated else None, job.user_env.get("XLA_FLAGS"))
+    if flags is not None:
+        static["XLA_FLAGS"] = flags
     for key, value in job.user_env.items():
         if key not in at_import:
             static.pop(key, None)
