@@ -17,6 +17,7 @@ from fakes import closed_port, invoke
 from support import cli_env
 from tpulaunch.cluster import jobs
 from tpulaunch.cluster.record import check_token_file, load_record
+from tpulaunch.discover import ray_labels
 from tpulaunch.errors import ClusterError, ExitCode, StateError
 
 REMOTE = {"tpu": "x", "zone": "z", "project": "p", "port": 6379, "temp_dir": "/tmp/ray-x", "python": "python3"}
@@ -166,10 +167,10 @@ def _serve_later(port: int, delay: float, refuse: bool) -> list[http.server.Thre
 def test_a_dashboard_that_answers_late_is_waited_for_and_a_refusal_is_not():
     unused_port = closed_port()
     # a head pod is ready before its dashboard answers (KubeRay's probe asks the dashboard agent)
-    started = _serve_later(unused_port, 1.5, refuse=False)
     api = jobs.JobApi(f"http://127.0.0.1:{unused_port}", None, timeout=1.0)
     with pytest.raises(jobs.Unreachable):
         api.version()  # nothing listens yet
+    started = _serve_later(unused_port, 0.5, refuse=False)
     assert api.wait_answering(30)["ray_version"] == "2.60.0"
     started[0].shutdown()
     started[0].server_close()
@@ -185,3 +186,43 @@ def test_a_dashboard_that_answers_late_is_waited_for_and_a_refusal_is_not():
     assert not isinstance(e.value, jobs.Unreachable)
     refusing[0].shutdown()
     refusing[0].server_close()
+
+
+class _SlowNodes(http.server.BaseHTTPRequestHandler):
+    """Ray's node list, the first two times only after the client's bound (a head loaded by the hosts
+    joining it)."""
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        self.server.asked += 1  # type: ignore[attr-defined]
+        if self.server.asked <= 2:  # type: ignore[attr-defined]
+            time.sleep(0.6)
+        node = {"state": "ALIVE", "labels": {ray_labels.SLICE: "tpu-0", ray_labels.WORKER: "0"}}
+        body = json.dumps({"data": {"result": {"result": [node]}}}).encode()
+        try:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the client gave up on this one
+            pass
+
+
+def test_bring_up_asks_a_head_that_answered_too_late_again_until_its_bound():
+    from tpulaunch.providers.gke import wait_ray
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowNodes)
+    server.asked = 0  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api = jobs.JobApi(f"http://127.0.0.1:{server.server_address[1]}", None, timeout=0.3)
+        said: list[str] = []
+        wait_ray(api, ["tpu-0"], 1, 60, said.append)
+        assert said == ["in Ray: tpu-0: 0/1", "in Ray: tpu-0: 1/1"] and server.asked == 3  # type: ignore[attr-defined]
+        server.asked = 0  # type: ignore[attr-defined]
+        with pytest.raises(jobs.Unreachable):
+            wait_ray(api, ["tpu-0"], 1, 0, said.append)  # past its bound: the one line
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from tpulaunch import kube as kube_mod
 from tpulaunch.cluster import kuberay, tokens
 from tpulaunch.cluster import kuberay_manifest as manifest
+from tpulaunch.cluster.jobs import Unreachable
 from tpulaunch.cluster.record import GKE_ENV, ClusterInfo, GkeSpec, clear_record, save_record
 from tpulaunch.discover import ray_labels
 from tpulaunch.errors import ClusterError, DiscoveryError, TpulaunchError
@@ -222,7 +223,10 @@ def check_image(api: JobApi, image: str, say: Say) -> None:
                metadata={"tpulaunch": "tool", "tool": "version"})
     end = time.monotonic() + 120
     while True:
-        job = api.info(sid)
+        try:
+            job = api.info(sid)
+        except Unreachable:  # a loaded head: asked again, until the bound
+            job = None
         if job is not None and job.terminal:
             break
         if time.monotonic() > end:
@@ -247,7 +251,13 @@ def wait_ray(api: JobApi, slices: list[str], hosts: int, timeout_s: float, say: 
     last = ""
     while True:
         joined: dict[str, set[int]] = {s: set() for s in slices}
-        for n in api.nodes():
+        try:
+            nodes = api.nodes()
+        except Unreachable:  # a head loaded by the hosts joining it: asked again, until the bound
+            if time.monotonic() >= end:
+                raise
+            nodes = []
+        for n in nodes:
             labels = n.get("labels") or {}
             s, w = labels.get(ray_labels.SLICE), labels.get(ray_labels.WORKER, "")
             if n.get("state") == "ALIVE" and s in joined and w.isdigit():
