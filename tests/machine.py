@@ -43,12 +43,28 @@ def _loop_ns(n: int) -> float:
     return (time.process_time_ns() - t0) / n
 
 
+def _page_us(mb: int) -> float:
+    """CPU time to touch a page of fresh memory once (the kernel's fault and zeroing; on a virtual
+    machine whose memory the host backs on demand, the host's too)."""
+    import mmap
+
+    t0 = time.process_time_ns()
+    m = mmap.mmap(-1, mb << 20)
+    for off in range(0, mb << 20, 4096):
+        m[off] = 1
+    m.close()
+    return (time.process_time_ns() - t0) / ((mb << 20) // 4096) / 1000
+
+
 def report() -> str:
     """E.g. `this machine: clocksource tsc, clock read 60 ns, system call 230 ns, fork+exec 1.1 ms,
-    python -c pass 19 ms, a Python loop's step 34 ns of CPU, load 2.1` (each the best or mean of a few
-    tries; about 0.4 s in all). The loop's step gauges the CPU itself: on 2026-12-07 the suite's pytest
-    took 1,146 s where it had taken 700-735 s, and torch_xla's import 6.0 CPU-s against 3.6-3.85, while
-    the clock, system call and start figures were those of the faster days (the loop's step: 34 ns)."""
+    python -c pass 19 ms, a Python loop's step 34 ns of CPU, a fresh page 4.4 us, load 2.1` (each the best
+    or mean of a few tries; about 0.5 s in all). On 2026-12-07 the suite's pytest took 1,096-1,149 s
+    where it had taken 700-735 s on 2026-11-28, and torch_xla's import 6.0 CPU-s against 3.6-3.85,
+    while the clock, system call and start figures were those of the faster days. So two more: the
+    loop's step gauges the CPU itself (34-54 ns that day), the fresh page the kernel's and the host's
+    cost of new memory (4.4-4.8 us that day); neither was measured on a faster day, so what they say
+    comes by comparing runs from now on."""
     source = Path("/sys/devices/system/clocksource/clocksource0/current_clocksource")
     clock = source.read_text().strip() if source.exists() else "unknown"
     read_ns = _per_call_ns(time.monotonic_ns, 200_000)
@@ -56,6 +72,7 @@ def report() -> str:
     spawn_ms = _best_ms(["/bin/true"], 10)
     python_ms = _best_ms([sys.executable, "-S", "-c", "pass"], 3)
     loop_ns = min(_loop_ns(1_000_000) for _ in range(3))
+    page_us = min(_page_us(64) for _ in range(2))
     return (f"this machine: clocksource {clock}, clock read {read_ns:.0f} ns, system call {call_ns:.0f} ns,"
             f" fork+exec {spawn_ms:.1f} ms, python -S -c pass {python_ms:.0f} ms, a Python loop's step {loop_ns:.0f} ns"
-            f" of CPU, load {os.getloadavg()[0]:.1f}")
+            f" of CPU, a fresh page {page_us:.1f} us, load {os.getloadavg()[0]:.1f}")
