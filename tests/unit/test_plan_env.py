@@ -242,3 +242,20 @@ def test_xla_flags_from_the_node_the_emulation_and_the_user(node, emulation, use
     from tpulaunch.plan.env import xla_flags
 
     assert xla_flags(node, emulation, user) == want
+
+
+def test_a_ray_train_configs_xla_flags_take_the_emulations_place_under_the_nodes():
+    """Ray Train's workers lay the plan's variables and their config's `env` over the node's
+    (`ray_train.backends._boot_worker`): a `JaxSpmdConfig(env={"XLA_FLAGS": ...})` replaces the
+    emulation's device count, and the node's own flags stay before it."""
+    from tpulaunch.host.environment import layered
+
+    t = T.resolve(topology="2x8")
+    jax_env = frameworks.get("jax").emulation_env(t, 1)
+    p = build_plan(slices=[SliceSpec.emulated_from(t, "e")], mesh=plan_mesh(t), script="t.py", framework="jax",
+                   user_env={}, run_id="r", coordinator_port=1, jax_coordinator_port=2, emulated=True,
+                   emulation_env=jax_env, log_dir="/l", workdir="/w")
+    mine = "--xla_force_host_platform_device_count=2"
+    env = layered({"XLA_FLAGS": "--node"}, {**host_env(p.state(0)), "XLA_FLAGS": mine}, p.state(0))
+    assert env["XLA_FLAGS"] == f"--node {mine}"
+    assert layered({}, {**host_env(p.state(0)), "XLA_FLAGS": mine}, p.state(0))["XLA_FLAGS"] == mine

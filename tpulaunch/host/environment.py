@@ -71,15 +71,17 @@ def start_env(state: HostState) -> tuple[dict[str, str], dict[str, str]]:
 def layered(node: Mapping[str, str], static: Mapping[str, str], state: HostState) -> dict[str, str]:
     """The node's environment under the plan's `static` part for `state`'s host. Pure.
 
-    XLA_FLAGS is the one both may set that must not simply be replaced: the node's own stay under an
-    emulated host's device count unless the user set them (`plan.env.xla_flags`).
+    XLA_FLAGS is the one both may set that must not simply be replaced: on an emulated host whose
+    user gave none, the node's own stay before the plan's (`plan.env.xla_flags`); the plan's are the
+    emulation's CPU device count, or what a Ray Train config's `env` set in their place. A user's
+    `--env XLA_FLAGS` is in `static` already, after the emulation's (`plan.env.split_env`).
     """
     env = {**node, **static}
     job = state.job
-    flags = xla_flags(node.get("XLA_FLAGS"), job.emulation_env.get("XLA_FLAGS") if job.emulated else None,
-                      job.user_env.get("XLA_FLAGS"))
-    if flags is not None:
-        env["XLA_FLAGS"] = flags
+    if job.emulated and "XLA_FLAGS" in job.emulation_env and "XLA_FLAGS" not in job.user_env:
+        flags = xla_flags(node.get("XLA_FLAGS"), static.get("XLA_FLAGS"), None)
+        if flags is not None:
+            env["XLA_FLAGS"] = flags
     return env
 
 
