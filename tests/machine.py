@@ -59,7 +59,7 @@ def _page_us(mb: int) -> float:
 def report() -> str:
     """E.g. `this machine: clocksource tsc, clock read 60 ns, system call 230 ns, fork+exec 1.1 ms,
     python -c pass 19 ms, a Python loop's step 34 ns of CPU, a fresh page 4.4 us, load 2.1` (each the best
-    or mean of a few tries; about 0.5 s in all). On 2026-12-07 the suite's pytest took 1,096-1,149 s
+    or mean of a few tries; about 0.5 s in all). On 2026-12-07 the suite's pytest took 945-1,149 s
     where it had taken 700-735 s on 2026-11-28, and torch_xla's import 6.0 CPU-s against 3.6-3.85,
     while the clock, system call and start figures were those of the faster days. So two more: the
     loop's step gauges the CPU itself (34-54 ns that day), the fresh page the kernel's and the host's
