@@ -11,6 +11,7 @@ whether the machine was slow.
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -46,8 +47,6 @@ def _loop_ns(n: int) -> float:
 def _page_us(mb: int) -> float:
     """CPU time to touch a page of fresh memory once (the kernel's fault and zeroing; on a virtual
     machine whose memory the host backs on demand, the host's too)."""
-    import mmap
-
     t0 = time.process_time_ns()
     m = mmap.mmap(-1, mb << 20)
     for off in range(0, mb << 20, 4096):

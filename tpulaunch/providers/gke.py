@@ -256,7 +256,8 @@ def wait_ray(api: JobApi, slices: list[str], hosts: int, timeout_s: float, say: 
         except Unreachable:  # a head loaded by the hosts joining it: asked again, until the bound
             if time.monotonic() >= end:
                 raise
-            nodes = []
+            time.sleep(1.0)
+            continue  # no answer says nothing of who joined: the progress line stays as it was
         for n in nodes:
             labels = n.get("labels") or {}
             s, w = labels.get(ray_labels.SLICE), labels.get(ray_labels.WORKER, "")
