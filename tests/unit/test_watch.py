@@ -160,3 +160,55 @@ def test_an_agent_lost_with_its_node_is_blamed_on_the_node_with_the_reason_ray_r
     assert node_death(err) == "Raylet could not connect to Runtime Env Agent"
     assert why_agent_died(RuntimeError("The actor died unexpectedly")) == (Cause.AGENT_DIED, "agent died")
     assert node_death(RuntimeError("The actor died unexpectedly")) is None
+
+
+@pytest.mark.parametrize("since,probed,now,want", [
+    ({0: 10.0, 1: 10.0}, {}, 11.4, []),                   # within the renewal (1 s) and OVERDUE_S (0.5 s)
+    ({0: 10.0, 1: 11.0}, {}, 11.6, [0]),                  # host 0 is 1.6 s silent, host 1 0.6 s
+    ({0: 10.0, 1: 9.0}, {}, 12.5, [1, 0]),                # the longest silent first
+    ({0: 10.0, 1: 9.0}, {1: 12.0}, 12.5, [0]),            # host 1 was probed half a second ago
+    ({0: 10.0, 1: 9.0}, {1: 11.4}, 12.5, [1, 0]),         # ... and again once a second has passed
+    ({0: 10.0, 2: 5.0}, {}, 12.5, [0]),                   # host 2 has no poll in flight (it ended)
+])
+def test_a_poll_overdue_past_its_renewal_gets_its_node_probed(since, probed, now, want):
+    from tpulaunch.run.fleet import overdue
+
+    assert overdue(since, {0, 1}, now, 1.0, probed) == want
+    assert overdue(since, {0, 1}, now, 1.0, probed, limit=1) == want[:1]
+
+
+def test_a_node_that_refuses_connections_is_lost_at_once_and_only_that_one():
+    """A silent host whose raylet's port refuses connections is gone (`node lost`) without waiting
+    for Ray's health checks; one whose raylet listens (a slow reply) is not, nor is anything Ray says
+    of the gone host afterwards (its late poll)."""
+    import queue
+    import socket
+
+    from fakes import closed_port
+    from tpulaunch.run.fleet import Gone, RayFleet, refused
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    alive, dead = f"127.0.0.1:{listening.getsockname()[1]}", f"127.0.0.1:{closed_port()}"
+    try:
+        assert not refused(alive) and refused(dead)
+        class Handle:  # an agent's handle as the fleet uses it: `release.remote(...)`
+            def __init__(self):
+                self.released = []
+                self.release = self
+            def remote(self, prewarm):
+                self.released.append(prewarm)
+
+        agents = [Handle(), Handle()]
+        fleet = RayFleet(agents, [alive, dead])
+        fleet._in_flight, fleet._unanswered_since = {0, 1}, {0: 100.0, 1: 100.0}
+        assert fleet._probe_overdue(101.4) == []  # neither poll is overdue yet
+        assert fleet._probe_overdue(101.6) == [Gone(1, Cause.NODE_LOST, "node lost")]
+        assert fleet._probe_overdue(103.0) == []  # host 0 probed again: it listens; host 1 is done
+        assert fleet._probed[0] == 103.0 and 1 in fleet._done
+        fleet._queue = queue.SimpleQueue()
+        fleet._queue.put((1, None, 0.0, 0.0))  # Ray's word on host 1, late: dropped
+        assert fleet.events(0.01) == []
+        fleet.release(None)  # the gone host's agent is not asked: Ray would answer only once its node is declared dead
+        assert [a.released for a in agents] == [[None], []]
+    finally:
+        listening.close()

@@ -9,6 +9,13 @@ with the same typed replies, so the loop cannot tell the difference.
 callback (`ObjectRef.future()`), so hearing from one of thousands of hosts costs no scan of the
 others. A dead agent or node is known as that host's loss (`node lost`, `agent died`), never
 mistaken for its peers'.
+
+A host whose node dies with its agent (a preempted VM, a killed raylet) leaves its poll unanswered
+until Ray's head declares the node dead, after its health checks (3 s x 5 by default; the suite's
+1 s x 3). A poll overdue past its renewal therefore gets its node probed: a raylet that refuses
+connections is gone, and so is the host, seconds before Ray says so. Only a refusal counts (the
+machine is there and nothing listens): a timeout or an unreachable network proves nothing, and Ray's
+own verdict still comes for those.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from tpulaunch.plan.contract import HostState
 from tpulaunch.run.summary import Cause
 
 LOST_AFTER_S = 30.0  # an agent that answers no poll for this long is lost
+OVERDUE_S = 0.5  # a poll this late past its renewal gets its node probed (`overdue`)
+PROBES_PER_CALL = 8  # at most this many probes per `events` call, the longest silent first
+PROBE_TIMEOUT_S = 0.2
 MAX_LINES = 5000  # per poll reply
 FEW_HOSTS = 16
 
@@ -98,6 +108,15 @@ def why_agent_died(err: Exception) -> tuple[Cause, str]:
     return Cause.AGENT_DIED, "agent died"
 
 
+def overdue(silent_since: dict[int, float], polling: Iterable[int], now: float, wait_s: float,
+            probed: dict[int, float], limit: int = PROBES_PER_CALL) -> list[int]:
+    """The hosts whose node to probe now: a poll in flight unanswered for `wait_s` (its renewal)
+    plus OVERDUE_S, not probed in the last second; the longest silent first, at most `limit`. Pure."""
+    late = [i for i in polling if now - silent_since.get(i, now) > wait_s + OVERDUE_S
+            and now - probed.get(i, float("-inf")) >= 1.0]
+    return sorted(late, key=lambda i: silent_since[i])[:limit]
+
+
 def node_death(err: Exception) -> str | None:
     """What the head recorded of the node's end, if Ray's error says ("Raylet could not connect to
     Runtime Env Agent"). Pure."""
@@ -116,6 +135,8 @@ class RayFleet:
         self._in_flight: set[int] = set()
         self._done: set[int] = set()  # ended or gone: no more polls
         self._unanswered_since: dict[int, float] = {}
+        self._probed: dict[int, float] = {}  # host -> when its node was last probed (`overdue`)
+        self._gone: set[int] = set()  # declared lost by a probe: Ray's late word on them is dropped
 
     def start(self, states: list[HostState], options: HostOptions, timeout_s: float) -> list[Started]:
         import ray
@@ -146,19 +167,18 @@ class RayFleet:
         import ray
 
         out: list[Event] = []
+        items = []
         try:
-            item = self._queue.get(timeout=timeout_s)
-        except queue.Empty:
-            return out
-        items = [item]
-        while True:
-            try:
+            items.append(self._queue.get(timeout=timeout_s))
+            while True:
                 items.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
+        except queue.Empty:
+            pass
         now = time.monotonic()
         for i, fut, at, at_monotonic in items:
             self._in_flight.discard(i)
+            if i in self._gone:
+                continue
             try:
                 reply: PollReply = fut.result()
             except ray.exceptions.ActorUnavailableError:
@@ -184,6 +204,17 @@ class RayFleet:
             else:
                 self._arm(i)
             out.append(Reply(i, reply, at, at_monotonic))
+        return out + self._probe_overdue(now)
+
+    def _probe_overdue(self, now: float) -> list[Event]:
+        """Hosts whose overdue poll's node refuses connections: lost now, not when Ray says so."""
+        out: list[Event] = []
+        for i in overdue(self._unanswered_since, self._in_flight - self._done, now, self.poll_wait_s, self._probed):
+            self._probed[i] = now
+            if self.raylets[i] and refused(self.raylets[i]):
+                self._done.add(i)
+                self._gone.add(i)
+                out.append(Gone(i, Cause.NODE_LOST, "node lost"))
         return out
 
     def _why_dead(self, i: int, err: Exception) -> tuple[Cause, str]:
@@ -219,11 +250,27 @@ class RayFleet:
     def release(self, prewarm: list[HostState] | None) -> None:
         import ray
 
-        refs = [a.release.remote(prewarm[i] if prewarm else None) for i, a in enumerate(self.agents)]
+        # not the agents of hosts a probe found gone: Ray answers for them only once its health
+        # checks have declared their nodes dead (seconds to tens of seconds), and the attempt would wait
+        refs = [a.release.remote(prewarm[i] if prewarm else None) for i, a in enumerate(self.agents)
+                if i not in self._gone]
         try:
             ray.wait(refs, num_returns=len(refs), timeout=15)
         except Exception:  # an agent lost with its node
             pass
+
+
+def refused(address: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """A TCP connect to `host:port` is refused: the machine answers and nothing listens there.
+    False when it connects, times out or fails otherwise (those prove nothing)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def reachable(address: str, timeout: float = 1.0) -> bool:
