@@ -25,6 +25,7 @@ def run_attempts(plan: LaunchPlan, ctx: RunContext) -> tuple[policy.Spent, str |
     """Run attempts until the policy finishes the run; returns what was spent and why it finished."""
     spent = policy.Spent()
     current = full = plan  # full: every slice the run asked for; current: the ones this attempt runs on
+    resize.warm_spares(ctx, plan.topology)
     while True:
         a = _one_attempt(current, ctx)
         hit = {current.hosts[h.process_index].slice_name for h in a.hosts if h.lost or h.preempted}

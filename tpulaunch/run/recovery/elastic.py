@@ -127,6 +127,9 @@ class Regrowth:
                           self.say, poll=self._stop.wait):
                 self.ready_at = time.monotonic()
                 if self.spare:
+                    from tpulaunch.host.agent import warm_agents
+
+                    warm_agents([(name, w) for name in self.lost for w in range(self.topology.num_hosts)])
                     self.say(f"slice(s) {', '.join(self.lost)} back in Ray: spare(s) now")
                 else:
                     self.say(f"slice(s) {', '.join(self.lost)} back in Ray: the run grows back to them"

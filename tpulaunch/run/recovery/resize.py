@@ -181,6 +181,25 @@ def swap_in_spares(lost: list[str], a: Attempt, current: LaunchPlan, ctx: RunCon
     return plan
 
 
+def warm_spares(ctx: RunContext, topo: Topology) -> int:
+    """Start the host agents of the cluster's spare slices of the run's shape that are whole and free
+    in Ray, so that a swap finds them running (`host.agent.warm_agents`). Returns how many hosts.
+    Best effort: a spare whose agent could not be started now starts it when it steps in."""
+    from tpulaunch import providers
+    from tpulaunch.discover import ray_labels
+    from tpulaunch.host.agent import warm_agents
+
+    spares = set(providers.of(ctx.cluster).spares())
+    if not spares:
+        return 0
+    try:
+        ready = [s for s in ray_labels.read_slices()
+                 if s.name in spares and s.intact(topo.num_hosts) and not s.busy and same_shape(s, topo)]
+        return warm_agents([(s.name, w) for s in ready for w, _, _, _ in s.workers])
+    except Exception:  # Ray's answer: the run goes on, and a swap starts the agents itself
+        return 0
+
+
 def same_shape(s: RaySlice, topo: Topology) -> bool:
     """A spare is used only when it is the run's shape: a spare of another shape never is."""
     from tpulaunch.plan import topology as topo_mod
