@@ -210,5 +210,11 @@ def test_a_node_that_refuses_connections_is_lost_at_once_and_only_that_one():
         assert fleet.events(0.01) == []
         fleet.release(None)  # the gone host's agent is not asked: Ray would answer only once its node is declared dead
         assert [a.released for a in agents] == [[None], []]
+        # with the head gone as well, the head's probe names the loss (`head node lost`), not this one
+        fleet = RayFleet(agents, [alive, dead], head=dead)
+        fleet._in_flight, fleet._unanswered_since = {0, 1}, {0: 100.0, 1: 100.0}
+        assert fleet._probe_overdue(101.6) == [] and not fleet._done
+        fleet.head = alive
+        assert fleet._probe_overdue(102.7) == [Gone(1, Cause.NODE_LOST, "node lost")]
     finally:
         listening.close()

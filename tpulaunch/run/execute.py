@@ -231,7 +231,7 @@ def execute(plan: LaunchPlan, sink: Sink, limits: Limits, interrupts: Interrupts
                 raylets = _raylets(infos)
                 for r, info in zip(hosts, infos, strict=True):
                     r.node_ip = info.node_ip
-                fleet = RayFleet(agents, raylets)
+                fleet = RayFleet(agents, raylets, head=gcs_address or "")
                 probe = (lambda: reachable(gcs_address)) if gcs_address else None
                 head_lost = drive(plan, fleet, watch, sink, logs, limits, interrupts, timings, probe, t0, timeline)
                 if not head_lost:

@@ -15,7 +15,8 @@ until Ray's head declares the node dead, after its health checks (3 s x 5 by def
 1 s x 3). A poll overdue past its renewal therefore gets its node probed: a raylet that refuses
 connections is gone, and so is the host, seconds before Ray says so. Only a refusal counts (the
 machine is there and nothing listens): a timeout or an unreachable network proves nothing, and Ray's
-own verdict still comes for those.
+own verdict still comes for those. When the head (GCS) refuses too, the head is what was lost: the
+supervision loop's own probe of the head says so (`head node lost`), not this one.
 """
 
 from __future__ import annotations
@@ -127,9 +128,10 @@ def node_death(err: Exception) -> str | None:
 class RayFleet:
     """A Fleet of host agents (Ray actor handles, in process-index order)."""
 
-    def __init__(self, agents: list, raylets: list[str] | None = None) -> None:
+    def __init__(self, agents: list, raylets: list[str] | None = None, head: str = "") -> None:
         self.agents = agents
         self.raylets = raylets or [""] * len(agents)
+        self.head = head  # the GCS address: a probe that finds it gone too leaves the verdict to the head's probe
         self.poll_wait_s, self.batch_s = cadence(len(agents))
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: set[int] = set()
@@ -208,14 +210,16 @@ class RayFleet:
 
     def _probe_overdue(self, now: float) -> list[Event]:
         """Hosts whose overdue poll's node refuses connections: lost now, not when Ray says so."""
-        out: list[Event] = []
+        gone = []
         for i in overdue(self._unanswered_since, self._in_flight - self._done, now, self.poll_wait_s, self._probed):
             self._probed[i] = now
             if self.raylets[i] and refused(self.raylets[i]):
-                self._done.add(i)
-                self._gone.add(i)
-                out.append(Gone(i, Cause.NODE_LOST, "node lost"))
-        return out
+                gone.append(i)
+        if not gone or (self.head and refused(self.head)):  # the head itself is gone: not these hosts' loss
+            return []
+        self._done.update(gone)
+        self._gone.update(gone)
+        return [Gone(i, Cause.NODE_LOST, "node lost") for i in gone]
 
     def _why_dead(self, i: int, err: Exception) -> tuple[Cause, str]:
         """`node lost` when the agent's Ray node is gone (its raylet no longer answers), else
