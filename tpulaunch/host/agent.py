@@ -112,10 +112,16 @@ def agent_for(slice_name: str, worker_id: int) -> object:
 def warm_agents(hosts: list[tuple[str, int]]) -> int:
     """Start the agents of these hosts (a spare slice's) for this driver's code, without waiting for
     them: Ray starts each one's worker process now, not when the spare steps in for a lost slice,
-    where it took about a second and a half of the swap on a 2-core machine. Returns how many."""
+    where it took about a second and a half of the swap on a 2-core machine. Best effort: one Ray
+    would not start now starts when its host is used. Returns how many were asked."""
+    asked = 0
     for slice_name, worker_id in hosts:
-        agent_for(slice_name, worker_id)  # creating the handle schedules the actor; nothing to wait for
-    return len(hosts)
+        try:
+            agent_for(slice_name, worker_id)  # creating the handle schedules the actor; nothing to wait for
+            asked += 1
+        except Exception:  # Ray's refusal or a lost connection: the swap starts it instead
+            pass
+    return asked
 
 
 def retire_other_agents(hosts: list[tuple[str, int]]) -> int:

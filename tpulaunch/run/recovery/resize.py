@@ -189,10 +189,10 @@ def warm_spares(ctx: RunContext, topo: Topology) -> int:
     from tpulaunch.discover import ray_labels
     from tpulaunch.host.agent import warm_agents
 
-    spares = set(providers.of(ctx.cluster).spares())
-    if not spares:
-        return 0
     try:
+        spares = set(providers.of(ctx.cluster).spares())
+        if not spares:
+            return 0
         ready = [s for s in ray_labels.read_slices()
                  if s.name in spares and s.intact(topo.num_hosts) and not s.busy and same_shape(s, topo)]
         return warm_agents([(s.name, w) for s in ready for w, _, _, _ in s.workers])
