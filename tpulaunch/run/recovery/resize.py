@@ -13,7 +13,7 @@ slice again, swap a spare in) is the provider's (`tpulaunch.providers`); what to
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -154,17 +154,15 @@ def swap_in_spares(lost: list[str], a: Attempt, current: LaunchPlan, ctx: RunCon
         return None
     t0 = time.monotonic()
     topo = current.topology
-    now = {s.name: s for s in ray_labels.read_slices()}
-    ready = [n for n in spares if n in now and now[n].intact(topo.num_hosts) and not now[n].busy
-             and same_shape(now[n], topo)]
+    ready = free_spares(spares, ray_labels.read_slices(), topo)
     if len(ready) < len(lost):
         ctx.sink.progress(f"{len(ready)} spare(s) of {topo.accelerator_type} ({topo.topology}) whole and free,"
                           f" {len(lost)} needed: waiting for the lost slice(s) instead")
         return None
     # Not strict: there may be more spares ready than slices lost; the first ones take their places.
-    swaps = {name: now[spare].to_spec() for name, spare in zip(lost, ready, strict=False)}
+    swaps = {name: spare.to_spec() for name, spare in zip(lost, ready, strict=False)}
     for name, spare in zip(lost, ready, strict=False):
-        provider.swap(name, spare)
+        provider.swap(name, spare.name)
     plan = current.swapped(swaps)
     took = time.monotonic() - t0
     a.replaced = [{"slice": name, "how": f"spare {spec.name}", "spare": spec.name, "why": why,
@@ -193,11 +191,18 @@ def warm_spares(ctx: RunContext, topo: Topology) -> int:
         spares = set(providers.of(ctx.cluster).spares())
         if not spares:
             return 0
-        ready = [s for s in ray_labels.read_slices()
-                 if s.name in spares and s.intact(topo.num_hosts) and not s.busy and same_shape(s, topo)]
+        ready = free_spares(spares, ray_labels.read_slices(), topo)
         return warm_agents([(s.name, w) for s in ready for w, _, _, _ in s.workers])
     except Exception:  # Ray's answer: the run goes on, and a swap starts the agents itself
         return 0
+
+
+def free_spares(names: Iterable[str], slices: Iterable[RaySlice], topo: Topology) -> list[RaySlice]:
+    """The spares named in `names` (in that order) that Ray's `slices` show whole, free and of the
+    run's shape: the ones a swap may use."""
+    by_name = {s.name: s for s in slices}
+    return [by_name[n] for n in names if n in by_name and by_name[n].intact(topo.num_hosts)
+            and not by_name[n].busy and same_shape(by_name[n], topo)]
 
 
 def same_shape(s: RaySlice, topo: Topology) -> bool:
