@@ -264,12 +264,17 @@ class RayFleet:
             pass
 
 
+def _connect(address: str, timeout: float) -> None:
+    """A TCP connection to `host:port` (a `ray://` prefix allowed), opened and closed; raises why not."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    socket.create_connection((host, int(port)), timeout=timeout).close()
+
+
 def refused(address: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
     """A TCP connect to `host:port` is refused: the machine answers and nothing listens there.
     False when it connects, times out or fails otherwise (those prove nothing)."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
+        _connect(address, timeout)
     except ConnectionRefusedError:
         return True
     except (OSError, ValueError):
@@ -279,9 +284,8 @@ def refused(address: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
 
 def reachable(address: str, timeout: float = 1.0) -> bool:
     """A TCP connect to `host:port` succeeds within `timeout`."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-        return True
+        _connect(address, timeout)
     except (OSError, ValueError):
         return False
+    return True
