@@ -177,44 +177,83 @@ def test_a_poll_overdue_past_its_renewal_gets_its_node_probed(since, probed, now
     assert overdue(since, {0, 1}, now, 1.0, probed, limit=1) == want[:1]
 
 
-def test_a_node_that_refuses_connections_is_lost_at_once_and_only_that_one():
+def test_a_node_that_refuses_connections_is_lost_at_once_and_only_that_one(monkeypatch):
     """A silent host whose raylet's port refuses connections is gone (`node lost`) without waiting
     for Ray's health checks; one whose raylet listens (a slow reply) is not, nor is anything Ray says
     of the gone host afterwards (its late poll)."""
-    import queue
+    import concurrent.futures
     import socket
+    import time
+
+    import ray
 
     from fakes import closed_port
-    from tpulaunch.run.fleet import Gone, RayFleet, refused
+    from tpulaunch.host.protocol import PollReply
+    from tpulaunch.run.fleet import Gone, RayFleet, Reply, probe, refused
 
     listening = socket.create_server(("127.0.0.1", 0))
     alive, dead = f"127.0.0.1:{listening.getsockname()[1]}", f"127.0.0.1:{closed_port()}"
+    waited = []
+    monkeypatch.setattr(ray, "wait", lambda refs, **kw: waited.append(refs) or (refs, []))
+
+    class Handle:  # an agent's handle as the fleet uses it: `release.remote(...)` gives a reference
+        def __init__(self, name):
+            self.name, self.release = name, self
+
+        def remote(self, prewarm):
+            return f"release of {self.name}"
+
+    def fleet_of(raylets, head=""):
+        fleet = RayFleet([Handle(0), Handle(1)], raylets, head=head)
+        fleet._in_flight, fleet._listening = {0, 1}, {0, 1}  # what `start` leaves: both raylets accepted then
+        fleet._unanswered_since = {0: time.monotonic() - 1.2, 1: time.monotonic() - 1.2}  # within 1 s + 0.5 s
+        return fleet
+
+    def late(fleet, host, code=None):  # a poll of `host` completes: its reply (or Ray's error) is queued
+        fut = concurrent.futures.Future()
+        fut.set_result(PollReply(lines=(), code=code, wall_s=1.0, ended=None, activity=0.0))
+        fleet._queue.put((host, fut, time.time(), time.monotonic()))
+
     try:
         assert not refused(alive) and refused(dead)
-        class Handle:  # an agent's handle as the fleet uses it: `release.remote(...)`
-            def __init__(self):
-                self.released = []
-                self.release = self
-            def remote(self, prewarm):
-                self.released.append(prewarm)
-
-        agents = [Handle(), Handle()]
-        fleet = RayFleet(agents, [alive, dead])
-        fleet._in_flight, fleet._unanswered_since = {0, 1}, {0: 100.0, 1: 100.0}
-        assert fleet._probe_overdue(101.4) == []  # neither poll is overdue yet
-        assert fleet._probe_overdue(101.6) == [Gone(1, Cause.NODE_LOST, "node lost")]
-        assert fleet._probe_overdue(103.0) == []  # host 0 probed again: it listens; host 1 is done
-        assert fleet._probed[0] == 103.0 and 1 in fleet._done
-        fleet._queue = queue.SimpleQueue()
-        fleet._queue.put((1, None, 0.0, 0.0))  # Ray's word on host 1, late: dropped
+        assert probe([alive, dead, "localhost:1", ""]) == [True, False, None, None]  # no name is looked up
+        fleet = fleet_of([alive, dead])
+        assert fleet.events(0.01) == []  # neither poll is overdue yet
+        time.sleep(0.4)
+        assert fleet.events(0.01) == [Gone(1, Cause.NODE_LOST, "node lost")]
+        assert fleet._probed.keys() == {0, 1} and 1 in fleet._done and 0 not in fleet._done
+        late(fleet, 1)  # Ray's word on host 1, late: dropped
         assert fleet.events(0.01) == []
         fleet.release(None)  # the gone host's agent is not asked: Ray would answer only once its node is declared dead
-        assert [a.released for a in agents] == [[None], []]
+        assert waited == [["release of 0"]]
+        # a reply that came while the probe ran says how the host ended: it wins over the probe
+        fleet = fleet_of([alive, dead])
+        fleet._unanswered_since[1] -= 1.0
+        monkeypatch.setattr(fleet, "_probe_overdue", lambda now, answered=(): late(fleet, 1, code=0) or {1})
+        got = fleet.events(0.01)
+        assert [(type(e), e.host) for e in got] == [(Reply, 1)] and got[0].reply.code == 0 and not fleet._gone
+        # a raylet that refused from the start (a firewall that rejects, another machine) is never probed
+        fleet = fleet_of([alive, dead])
+        fleet._listening = {0}
+        fleet._unanswered_since[1] -= 1.0
+        assert fleet.events(0.01) == [] and 1 not in fleet._probed
         # with the head gone as well, the head's probe names the loss (`head node lost`), not this one
-        fleet = RayFleet(agents, [alive, dead], head=dead)
-        fleet._in_flight, fleet._unanswered_since = {0, 1}, {0: 100.0, 1: 100.0}
-        assert fleet._probe_overdue(101.6) == [] and not fleet._done
+        fleet = fleet_of([alive, dead], head=dead)
+        fleet._unanswered_since[1] -= 1.0
+        assert fleet.events(0.01) == [] and not fleet._done
         fleet.head = alive
-        assert fleet._probe_overdue(102.7) == [Gone(1, Cause.NODE_LOST, "node lost")]
+        fleet._probed.clear()
+        assert fleet.events(0.01) == [Gone(1, Cause.NODE_LOST, "node lost")]
     finally:
         listening.close()
+
+
+def test_spare_agents_are_not_warmed_from_a_process_without_ray():
+    """`warm_agents` from a thread that outlived the run's Ray connection: nothing asked, and no Ray
+    started to answer (Ray's calls start a cluster of their own when none is connected)."""
+    import ray
+
+    from tpulaunch.host.agent import warm_agents
+
+    assert warm_agents([("tpu-1", 0), ("tpu-1", 1)]) == 0
+    assert not ray.is_initialized()

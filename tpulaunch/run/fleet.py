@@ -15,14 +15,21 @@ until Ray's head declares the node dead, after its health checks (3 s x 5 by def
 1 s x 3). A poll overdue past its renewal therefore gets its node probed: a raylet that refuses
 connections is gone, and so is the host, seconds before Ray says so. Only a refusal counts (the
 machine is there and nothing listens): a timeout or an unreachable network proves nothing, and Ray's
-own verdict still comes for those. When the head (GCS) refuses too, the head is what was lost: the
+own verdict still comes for those; and only from a raylet that accepted a connection when the
+attempt started (a firewall that rejects, or another machine at that address, refuses from the
+start). The probes of one call go out at once, within one timeout, and no name is looked up, so
+the loop is held up at most PROBE_TIMEOUT_S. A reply that comes in meanwhile wins over the probe (it
+says how the host ended). When the head (GCS) refuses too, the head is what was lost: the
 supervision loop's own probe of the head says so (`head node lost`), not this one.
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import queue
 import re
+import selectors
 import socket
 import time
 from collections.abc import Iterable
@@ -36,7 +43,8 @@ from tpulaunch.run.summary import Cause
 LOST_AFTER_S = 30.0  # an agent that answers no poll for this long is lost
 OVERDUE_S = 0.5  # a poll this late past its renewal gets its node probed (`overdue`)
 PROBES_PER_CALL = 8  # at most this many probes per `events` call, the longest silent first
-PROBE_TIMEOUT_S = 0.2
+PROBE_TIMEOUT_S = 0.2  # for all of one call's probes together
+LISTEN_TIMEOUT_S = 0.5  # for the raylets' first probe, when the attempt's hosts start
 MAX_LINES = 5000  # per poll reply
 FEW_HOSTS = 16
 
@@ -139,12 +147,14 @@ class RayFleet:
         self._unanswered_since: dict[int, float] = {}
         self._probed: dict[int, float] = {}  # host -> when its node was last probed (`overdue`)
         self._gone: set[int] = set()  # declared lost by a probe: Ray's late word on them is dropped
+        self._listening: set[int] = set()  # hosts whose raylet accepted a connection at the start: probed later
 
     def start(self, states: list[HostState], options: HostOptions, timeout_s: float) -> list[Started]:
         import ray
 
         refs = [a.start.remote(s, options) for a, s in zip(self.agents, states, strict=True)]
         started = ray.get(refs, timeout=timeout_s)
+        self._listening = {i for i, ok in enumerate(probe(self.raylets, LISTEN_TIMEOUT_S)) if ok}
         now = time.monotonic()
         for i in range(len(self.agents)):
             self._unanswered_since[i] = now
@@ -169,14 +179,14 @@ class RayFleet:
         import ray
 
         out: list[Event] = []
-        items = []
-        try:
-            items.append(self._queue.get(timeout=timeout_s))
-            while True:
-                items.append(self._queue.get_nowait())
-        except queue.Empty:
-            pass
+        items = self._drain(timeout_s)
         now = time.monotonic()
+        lost = self._probe_overdue(now, answered={item[0] for item in items})
+        if lost:  # a reply that came in meanwhile says how that host ended: it wins over the probe
+            items += self._drain(0.0)
+            lost -= {item[0] for item in items}
+            self._done.update(lost)
+            self._gone.update(lost)
         for i, fut, at, at_monotonic in items:
             self._in_flight.discard(i)
             if i in self._gone:
@@ -206,20 +216,31 @@ class RayFleet:
             else:
                 self._arm(i)
             out.append(Reply(i, reply, at, at_monotonic))
-        return out + self._probe_overdue(now)
+        return out + [Gone(i, Cause.NODE_LOST, "node lost") for i in sorted(lost)]
 
-    def _probe_overdue(self, now: float) -> list[Event]:
-        """Hosts whose overdue poll's node refuses connections: lost now, not when Ray says so."""
-        gone = []
-        for i in overdue(self._unanswered_since, self._in_flight - self._done, now, self.poll_wait_s, self._probed):
+    def _drain(self, timeout_s: float) -> list:
+        """The queued poll completions, waiting up to `timeout_s` for the first."""
+        items = []
+        try:
+            items.append(self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait())
+            while True:
+                items.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        return items
+
+    def _probe_overdue(self, now: float, answered: Iterable[int] = ()) -> set[int]:
+        """Hosts whose overdue poll's node refuses connections (not those that just `answered`): lost
+        now, not when Ray says so."""
+        polling = self._in_flight - self._done - set(answered)
+        due = [i for i in overdue(self._unanswered_since, polling, now, self.poll_wait_s, self._probed)
+               if i in self._listening]
+        for i in due:
             self._probed[i] = now
-            if self.raylets[i] and refused(self.raylets[i]):
-                gone.append(i)
+        gone = {i for i, ok in zip(due, probe([self.raylets[i] for i in due]), strict=True) if ok is False}
         if not gone or (self.head and refused(self.head)):  # the head itself is gone: not these hosts' loss
-            return []
-        self._done.update(gone)
-        self._gone.update(gone)
-        return [Gone(i, Cause.NODE_LOST, "node lost") for i in gone]
+            return set()
+        return gone
 
     def _why_dead(self, i: int, err: Exception) -> tuple[Cause, str]:
         """`node lost` when the agent's Ray node is gone (its raylet no longer answers), else
@@ -262,6 +283,53 @@ class RayFleet:
             ray.wait(refs, num_returns=len(refs), timeout=15)
         except Exception:  # an agent lost with its node
             pass
+
+
+def _numeric(address: str) -> tuple[str, int] | None:
+    """(IP, port) of `host:port` when the host is an IP address (IPv6 in brackets or not), else None."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        return str(ipaddress.ip_address(host.strip("[]"))), int(port)
+    except ValueError:
+        return None
+
+
+def probe(addresses: list[str], timeout: float = PROBE_TIMEOUT_S) -> list[bool | None]:
+    """TCP connects to every `IP:port` at once, within one `timeout`: True where one was accepted,
+    False where it was refused (the machine answers and nothing listens there), None where nothing
+    was proved (a timeout, an unreachable network, a name: none is looked up, which no timeout bounds)."""
+    out: list[bool | None] = [None] * len(addresses)
+    pending: dict[int, tuple[socket.socket, int]] = {}  # fd -> (its socket, its address's index)
+    with selectors.DefaultSelector() as sel:
+        try:
+            for k, address in enumerate(addresses):
+                target = _numeric(address)
+                if target is None:
+                    continue
+                sock = socket.socket(socket.AF_INET6 if ":" in target[0] else socket.AF_INET, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                err = sock.connect_ex(target)
+                if err in (errno.EINPROGRESS, errno.EAGAIN):
+                    pending[sock.fileno()] = (sock, k)
+                    sel.register(sock, selectors.EVENT_WRITE)
+                else:
+                    out[k] = _verdict(err)
+                    sock.close()
+            end = time.monotonic() + timeout
+            while pending and (left := end - time.monotonic()) > 0:
+                for key, _ in sel.select(left):
+                    sock, k = pending.pop(key.fd)
+                    out[k] = _verdict(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
+                    sel.unregister(sock)
+                    sock.close()
+        finally:
+            for sock, _ in pending.values():
+                sock.close()
+    return out
+
+
+def _verdict(err: int) -> bool | None:
+    return True if err == 0 else False if err == errno.ECONNREFUSED else None
 
 
 def _connect(address: str, timeout: float) -> None:
