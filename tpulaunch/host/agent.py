@@ -113,7 +113,16 @@ def warm_agents(hosts: list[tuple[str, int]]) -> int:
     """Start the agents of these hosts (a spare slice's) for this driver's code, without waiting for
     them: Ray starts each one's worker process now, not when the spare steps in for a lost slice,
     where it took about a second and a half of the swap on a 2-core machine. Best effort: one Ray
-    would not start now starts when its host is used. Returns how many were asked."""
+    would not start now starts when its host is used. Returns how many were asked (none when this
+    process is not connected to Ray: Ray would start a cluster of its own to answer)."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0
+    try:
+        retire_other_agents(hosts)  # an earlier run's code's agents on these hosts, if idle
+    except Exception:  # Ray's answer: they stay until the host is used, as before
+        pass
     asked = 0
     for slice_name, worker_id in hosts:
         try:

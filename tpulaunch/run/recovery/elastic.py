@@ -126,7 +126,7 @@ class Regrowth:
             if wait_whole(self.cluster, self.topology, self.lost, end - time.monotonic(), self._stop.is_set,
                           self.say, poll=self._stop.wait):
                 self.ready_at = time.monotonic()
-                if self.spare:
+                if self.spare and not self._stop.is_set():  # the run is over: its Ray connection closes
                     from tpulaunch.host.agent import warm_agents
 
                     warm_agents([(name, w) for name in self.lost for w in range(self.topology.num_hosts)])
