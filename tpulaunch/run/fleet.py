@@ -232,9 +232,8 @@ class RayFleet:
     def _probe_overdue(self, now: float, answered: Iterable[int] = ()) -> set[int]:
         """Hosts whose overdue poll's node refuses connections (not those that just `answered`): lost
         now, not when Ray says so."""
-        polling = self._in_flight - self._done - set(answered)
-        due = [i for i in overdue(self._unanswered_since, polling, now, self.poll_wait_s, self._probed)
-               if i in self._listening]
+        polling = (self._in_flight - self._done - set(answered)) & self._listening
+        due = overdue(self._unanswered_since, polling, now, self.poll_wait_s, self._probed)
         for i in due:
             self._probed[i] = now
         gone = {i for i, ok in zip(due, probe([self.raylets[i] for i in due]), strict=True) if ok is False}
