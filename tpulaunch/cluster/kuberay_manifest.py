@@ -157,14 +157,15 @@ def token_secret(req: GkeClusterRequest, token: str) -> dict:
 
 def supervisor_rbac(req: GkeClusterRequest) -> list[dict]:
     """The head's service account and what it may do: read its pods (whose end says a slice was
-    preempted) and its RayCluster in this namespace, and the nodes (cluster-wide: a node going
-    NotReady is the first sign of a spot preemption)."""
+    preempted) and delete them (`--replace-hung` makes a hung slice again so, from a detached run's
+    supervisor on the head), its RayCluster in this namespace, and the nodes (cluster-wide: a node
+    going NotReady is the first sign of a spot preemption)."""
     sa = req.service_account
     cluster_wide = f"tpulaunch-{req.namespace}-{req.name}"[:253]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(req, sa)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(req, sa),
-         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "delete"]},
                    {"apiGroups": ["ray.io"], "resources": ["rayclusters"],
                     "verbs": ["get", "list", "watch", "patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(req, sa),

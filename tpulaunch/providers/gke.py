@@ -164,9 +164,11 @@ def up(checked: Checked, say: Say) -> ClusterInfo:
         info.spares = req.spares
     except BaseException as e:
         if existing is None and isinstance(e, Exception):
-            say(f"bring-up failed: deleting what it made ({', '.join(made) or 'nothing yet'})")
+            # only what it made: a create that failed has deleted its own (kuberay.create_all), and
+            # an object of that name made by someone else (a 409) is theirs
+            say(f"bring-up failed: deleting what it made ({', '.join(made) or 'nothing left'})")
             try:
-                kuberay.delete_all(kube, made or list(names))
+                kuberay.delete_all(kube, made)
                 clear_record()
                 tokens.token_file(key).unlink(missing_ok=True)
             except TpulaunchError as d:
