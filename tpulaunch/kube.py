@@ -71,17 +71,36 @@ def in_pod() -> bool:
 
 
 def _kubeconfig_file(target: KubeTarget) -> str | None:
-    """The kubeconfig kubectl would read, or None (then only in-cluster config can work)."""
+    """The kubeconfig kubectl would read, or None (then only in-cluster config can work): KUBECONFIG's
+    files that exist, joined as it lists them (the client merges them as kubectl does: the first to
+    set a value wins), else ~/.kube/config."""
     if target.kubeconfig:
         if not Path(target.kubeconfig).is_file():
             raise KubeError(f"--kubeconfig {target.kubeconfig[:200]} is not a file", "give the path of a kubeconfig")
         return target.kubeconfig
-    env = os.environ.get("KUBECONFIG", "")
-    for p in (x for x in env.split(os.pathsep) if x):
-        if Path(p).is_file():
-            return p
+    found = [x for x in os.environ.get("KUBECONFIG", "").split(os.pathsep) if x and Path(x).is_file()]
+    if found:
+        return os.pathsep.join(found)
     home = Path.home() / ".kube" / "config"
     return str(home) if home.is_file() else None
+
+
+def _current_context(path: str) -> str | None:
+    """kubectl's current context of several kubeconfig files: the first file's that sets one (the
+    client's merge takes the last file's). None for one file (the client reads it as kubectl does)."""
+    import yaml
+
+    files = path.split(os.pathsep)
+    if len(files) < 2:
+        return None
+    for f in files:
+        try:
+            doc = yaml.safe_load(Path(f).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue  # the client says what is wrong with it
+        if isinstance(doc, dict) and doc.get("current-context"):
+            return str(doc["current-context"])
+    return None
 
 
 def connect(target: KubeTarget) -> Kube:
@@ -105,11 +124,12 @@ def connect(target: KubeTarget) -> Kube:
             where = f"the in-cluster API ({cfg.host})"
         else:
             cfg = client.Configuration()
-            config.load_kube_config(config_file=path, context=target.context, client_configuration=cfg,
+            context = target.context or _current_context(path)
+            config.load_kube_config(config_file=path, context=context, client_configuration=cfg,
                                     persist_config=False)
             _contexts, active = config.list_kube_config_contexts(config_file=path)
-            if target.context:
-                active = next((c for c in _contexts if c["name"] == target.context), active)
+            if context:
+                active = next((c for c in _contexts if c["name"] == context), active)
             namespace = target.namespace or (active or {}).get("context", {}).get("namespace") or "default"
             where = f"the Kubernetes API at {cfg.host} (context {(active or {}).get('name', '?')})"
     except ConfigException as e:

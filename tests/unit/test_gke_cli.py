@@ -12,6 +12,7 @@ KubeRay TPU webhook's validation, and its TPU pods (as KubeRay builds them) by t
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from pathlib import Path
 
@@ -206,6 +207,44 @@ def test_an_unreachable_api_is_one_line(api, tmp_path):
     line = one_line(invoke("slice", "list", "--gke", env=cli_env(tmp_path / "h", KUBECONFIG=str(dead))),
                     ExitCode.DISCOVERY)
     assert "cannot be reached: connection refused" in line
+
+
+def test_kubeconfig_files_are_merged_as_kubectl_merges_them(api, tmp_path):
+    """KUBECONFIG lists several files: a context of any of them can be named, not only the first's."""
+    _server, _store, kubeconfig, _home = api
+    other = json.loads(Path(kubeconfig).read_text())
+    other["clusters"][0] = {"name": "other", "cluster": {"server": f"https://127.0.0.1:{closed_port()}"}}
+    other["contexts"][0] = {"name": "other", "context": {"cluster": "other", "user": "admin"}}
+    other["current-context"] = "other"
+    first = tmp_path / "other-kubeconfig"
+    first.write_text(json.dumps(other))
+    env = cli_env(tmp_path / "h", KUBECONFIG=f"{first}{os.pathsep}{tmp_path / 'missing'}{os.pathsep}{kubeconfig}")
+    proc = invoke("slice", "list", "--gke", "--context", "fake", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert {p["pool"] for p in json.loads(proc.stdout)["node_pools"]} == {p.name for p in POOLS if p.accelerator}
+    # the first file's current context is the one used when none is named, as kubectl does
+    assert "127.0.0.1:" in one_line(invoke("slice", "list", "--gke", env=env), ExitCode.DISCOVERY)
+
+
+def test_a_bring_up_that_meets_another_users_object_of_its_name_deletes_none_of_theirs(api, env):
+    """Two users, one --name: the second's bring-up fails on the first object it cannot create (a
+    409) and deletes nothing (it had deleted its whole list, the other user's objects with it)."""
+    store = api[1]
+    theirs = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "data": {"auth_token": "dGhlaXJz"},
+              "metadata": {"name": "clash-tpulaunch-token", "namespace": "default"}}
+    store.create("secrets", theirs)
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "clash-tpulaunch", "namespace": "default"}}
+    store.create("serviceaccounts", sa)
+    try:
+        proc = invoke("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--spot", "--image",
+                      "i", "--name", "clash", env=env)
+        assert proc.returncode == ExitCode.CLUSTER and "Traceback" not in proc.stderr, proc.stderr
+        assert store.get("secrets", "default", "clash-tpulaunch-token")["data"] == {"auth_token": "dGhlaXJz"}
+        assert store.get("serviceaccounts", "default", "clash-tpulaunch") is not None
+        assert store.get("rayclusters", "default", "clash") is None
+    finally:
+        store.delete("secrets", "default", "clash-tpulaunch-token")
+        store.delete("serviceaccounts", "default", "clash-tpulaunch")
 
 
 def test_rbac_forbidden_names_the_verb_and_resource_to_ask_for(api, env):

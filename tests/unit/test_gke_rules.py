@@ -121,6 +121,23 @@ def test_node_pools_become_slices_with_their_hosts_settled_by_the_nodes_chips():
     assert (spec.source, spec.accelerator_type, spec.spot, len(spec.workers)) == ("gke", "v5p-16", True, 2)
 
 
+def test_a_nodes_chips_are_not_the_zero_a_device_plugin_reports_before_it_registers():
+    """GKE's device plugin reports `google.com/tpu: "0"` until it has registered the chips (and when
+    every chip is unhealthy): the pool's hosts are then read from the machine's count, not 0 chips a
+    node (which made the expected hosts the pool's whole chip count)."""
+    fresh = node("f1", "v5p-b", "tpu-v5p-slice", "2x2x2", 4)
+    fresh["status"]["allocatable"][gke.TPU_RESOURCE] = "0"  # first in name order
+    other = node("f2", "v5p-b", "tpu-v5p-slice", "2x2x2", 4)
+    assert [discover_gke.node_chips(n) for n in (fresh, other)] == [4, 4]
+    del fresh["metadata"]["labels"][gke.CHIPS_LABEL]
+    assert discover_gke.node_chips(fresh) == 0  # nothing says: unknown
+    fresh["status"]["capacity"] = {gke.TPU_RESOURCE: "4"}
+    assert discover_gke.node_chips(fresh) == 4
+    fresh["status"]["capacity"] = {}
+    (pool,) = discover_gke.pools_from_nodes([fresh, other])
+    assert (pool.chips_per_node, pool.expected_hosts, pool.accelerator_type) == (4, 2, "v5p-16")
+
+
 def test_the_pools_a_shape_fits_are_whole_and_of_that_shape_and_capacity_kind():
     nodes = [node("a1", "p4t", "tpu-v6e-slice", "2x4", 4), node("a2", "p4t", "tpu-v6e-slice", "2x4", 4),
              node("b1", "p8t", "tpu-v6e-slice", "2x4", 8),

@@ -118,6 +118,19 @@ def _ip(node: dict) -> str:
     return ""
 
 
+def node_chips(node: dict) -> int:
+    """A TPU node's chips: what the device plugin reports (capacity, then allocatable) when it has
+    registered them, else the node's label (GKE's machine type count). A plugin not yet registered,
+    or every chip unhealthy, reports 0, which is not the machine's count. Pure."""
+    status = node.get("status") or {}
+    for reported in (status.get("capacity") or {}, status.get("allocatable") or {}):
+        value = str(reported.get(gke.TPU_RESOURCE) or "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    label = str(((node.get("metadata") or {}).get("labels") or {}).get(gke.CHIPS_LABEL) or "")
+    return int(label) if label.isdigit() else 0
+
+
 def pools_from_nodes(nodes: list[dict]) -> list[PoolSlice]:
     """Every TPU node pool among `nodes` (the API's Node JSON), by name. Pure."""
     groups: dict[str, list[dict]] = {}
@@ -130,8 +143,7 @@ def pools_from_nodes(nodes: list[dict]) -> list[PoolSlice]:
         members.sort(key=lambda n: n["metadata"]["name"])
         labels = members[0]["metadata"]["labels"]
         gen = gke.generation_of_label(labels[gke.ACCELERATOR_LABEL])
-        alloc = (members[0].get("status") or {}).get("allocatable") or {}
-        chips = int(alloc.get(gke.TPU_RESOURCE) or labels.get(gke.CHIPS_LABEL) or 0)
+        chips = max(node_chips(n) for n in members)
         epochs = []
         for n in members:
             raw = n["metadata"]["labels"].get(gke.MAINTENANCE_LABEL)
