@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tpulaunch.host.protocol import PollReply
-from tpulaunch.run.hang import COLLECTIVE, INPUT, PYTHON, HostRef, place_of, triage
+from tpulaunch.run.hang import COLLECTIVE, INPUT, PYTHON, UNKNOWN, HostRef, place_of, triage
 from tpulaunch.run.summary import Cause, HostResult, Outcome
 from tpulaunch.run.watch import AttemptWatch, StopAll, StopRules
 
@@ -35,7 +35,19 @@ EVAL = dump("sleep_a_while (/w/train.py:50)", "evaluate (/w/train.py:60)")
     (LOAD, INPUT, "load_batch (train.py:23)"),
     (DATALOADER, INPUT, "_try_get_data (dataloader.py:1133)"),  # the queue wait says nothing; its caller does
     (EVAL, PYTHON, "sleep_a_while (train.py:50)"),
-    ("(py-spy failed)", PYTHON, "an unknown place (no Python stack)"),
+    ("(py-spy dump exited 1: Permission denied)", UNKNOWN, "no stack: (py-spy dump exited 1: Permission denied)"),
+    # as py-spy prints them: a package's part of the path, the standard library's file name alone
+    (dump("Condition.wait (threading.py:331)", "Queue.get (queue.py:180)", "load_batch (waitq.py:4)"), INPUT,
+     "load_batch (waitq.py:4)"),
+    (dump("Condition.wait (threading.py:331)", "Queue.get (queue.py:180)",
+          "_try_get_data (torch/utils/data/dataloader.py:1133)", "<module> (train.py:40)"), INPUT,
+     "_try_get_data (dataloader.py:1133)"),
+    (dump("sync (torch_xla/torch_xla.py:80)", "step (train.py:10)"), COLLECTIVE, "sync (torch_xla.py:80)"),
+    (dump("_value (jax/_src/array.py:640)", "__float__ (jax/_src/array.py:300)", "train (jt.py:90)"), COLLECTIVE,
+     "_value (array.py:640)"),  # float(loss): the step's results, its collectives in it
+    (dump("backend_compile (jax/_src/compiler.py:300)", "compile_or_get_cached (jax/_src/compiler.py:400)",
+          "_cached_compilation (jax/_src/interpreters/pxla.py:2500)", "train (jt.py:90)"), PYTHON,
+     "backend_compile (compiler.py:300)"),  # compiling under pjit is this host's own work, not a wait
 ])
 def test_where_a_host_waits(text, kind, frame):
     assert place_of(text) == (place := place_of(text)) and (place.kind, place.frame) == (kind, frame)
@@ -46,7 +58,34 @@ def test_only_the_main_thread_counts():
     assert place_of(text).kind == INPUT
 
 
+def test_a_dump_whose_threads_are_not_named_is_read_from_its_first_thread():
+    text = "Process 7: python t.py\nPython v3.11.7\n\nThread 7 (idle)\n    load_batch (t.py:3)\n"
+    assert (place_of(text).kind, place_of(text).frame) == (INPUT, "load_batch (t.py:3)")
+
+
+def test_a_torch_tpu_host_is_where_its_ranks_are_not_its_parents_loop():
+    parent = "Process 10: python -m tpulaunch.host.ranks\n" + dump("run (tpulaunch/host/ranks.py:163)")
+    rank = "Process {}: python train.py\n"
+    waiting = rank.format(11) + dump("all_reduce (torch/distributed/distributed_c10d.py:2942)")
+    loading = rank.format(12) + dump("load_batch (train.py:23)")
+    assert place_of(parent + waiting + loading) == place_of(loading) and place_of(loading).kind == INPUT
+    assert place_of(parent + waiting + waiting).kind == COLLECTIVE
+    # any other host's children (a DataLoader's workers) are not its ranks: the host process speaks for it
+    assert place_of(rank.format(20) + dump("all_reduce (c10d/distributed_c10d.py:1)") + loading).kind == COLLECTIVE
+
+
 HOSTS = [HostRef(i, i // 2, i % 2) for i in range(4)]
+
+
+def test_a_host_whose_stack_could_not_be_read_is_not_named_for_it():
+    failed = "(py-spy dump took longer than 20 s)"
+    h = triage({0: ALL_REDUCE, 1: ALL_REDUCE, 2: failed, 3: LOAD}, HOSTS)
+    assert h.culprits == (3,) and h.slices == (1,)
+    assert h.line.endswith("; no stack from host 2 ((py-spy dump took longer than 20 s))"), h.line
+    h = triage({0: ALL_REDUCE, 1: ALL_REDUCE, 2: failed, 3: ALL_REDUCE}, HOSTS)
+    assert h.culprits == () and "none of them is the cause" in h.line and "no stack from host 2" in h.line
+    h = triage({i: failed for i in range(4)}, HOSTS)
+    assert h.culprits == () and h.line.startswith("hang: no host's stack could be read; no stack from hosts 0,1,2,3")
 
 
 def test_the_host_not_where_the_others_wait_is_the_culprit():
