@@ -141,6 +141,16 @@ def test_libtpus_hang_report_stalls_the_attempt_at_once_with_stacks():
     assert sorted(act.hosts) == [0, 1, 2, 3]
 
 
+def test_libtpus_hang_report_with_its_hosts_end_in_the_same_reply_keeps_that_end():
+    """libtpu aborts (`--megascale_abort_on_hangs`) as it reports: the report and the host's exit code
+    can come in one reply. The end is that host's, kept; the others are stopped (its poll is over: a
+    host left pending would be waited for through the grace and the drain, its code lost)."""
+    w = watch(4)
+    act = w.on_reply(2, reply(lines=["E1128 Megascale hang detected: Timed out"], code=134, ended=1005.0), 5.0, 1005.0)
+    assert isinstance(act, StopAll) and act.outcome is Outcome.STALLED and sorted(act.hosts) == [0, 1, 3]
+    assert w.hosts[2].exit_code == 134 and 2 not in w.pending and not w.hosts[2].stopped_by_tpulaunch
+
+
 def test_a_lost_host_takes_its_slice_and_is_the_one_blamed():
     w = watch(4)
     for i in range(4):

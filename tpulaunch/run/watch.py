@@ -128,6 +128,10 @@ class AttemptWatch:
                                      grace_s=self.rules.preemption_grace_s, source=i)
         if libtpu_hang is not None and self.pending and self.outcome is None:  # libtpu's own hang report
             self.outcome = Outcome.STALLED
+            self.failed_fast = True  # the hang ends the attempt, not this host's abort after its report
+            if reply.code is not None:  # libtpu aborted it as it reported: its end is kept, not waited for
+                r.phases = dict(reply.phases)
+                self._ended(i, reply.code, reply.ended or wall_now)
             return StopAll(Outcome.STALLED, f"libtpu reported a hang on host {r.process_index}: {libtpu_hang[:160]}",
                            self._stop(self.pending), dump_stacks=True)
         if reply.code is not None:
