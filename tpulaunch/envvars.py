@@ -104,7 +104,7 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Emulated torch_xla hosts only: the port of the store they share per-host input through."),
     EnvVar("TPULAUNCH_LIBTPU_INIT_ARGS", TPULAUNCH_SETS,
            "Real multislice hosts only: libtpu's hang flags (``--megascale_abort_on_hangs=true"
-           " --megascale_graph_hang_threshold=<--stall-timeout>s``), put before the host's own"
+           " --megascale_graph_hang_threshold=<--stall-timeout + 60>s``), put before the host's own"
            " ``LIBTPU_INIT_ARGS`` at boot so that the host's own flags win."),
     # -- set by tpulaunch: its own bookkeeping --------------------------------------------------------
     EnvVar("TPULAUNCH_CLUSTER_ID", "tpulaunch, for every process of a cluster it starts",

@@ -170,7 +170,8 @@ def test_libtpus_hang_flags_go_first_and_the_hosts_own_flags_win():
     from tpulaunch.plan.env import libtpu_args, megascale_hang_flags
 
     ours = megascale_hang_flags(20.0)
-    assert ours == "--megascale_abort_on_hangs=true --megascale_graph_hang_threshold=20s"
+    # 60 s past the stall timeout: tpulaunch's stall and its stacks come first, while the hosts live
+    assert ours == "--megascale_abort_on_hangs=true --megascale_graph_hang_threshold=80s"
     assert megascale_hang_flags(None) == "--megascale_abort_on_hangs=true"
     assert libtpu_args(ours, "--megascale_abort_on_hangs=false --xla_tpu_x=1") == (
         ours + " --megascale_abort_on_hangs=false --xla_tpu_x=1")  # absl: the last of a flag wins: theirs

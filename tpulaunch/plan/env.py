@@ -57,9 +57,16 @@ PLAN_MULTISLICE_ENV = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", 
 LIBTPU_OURS_ENV = "TPULAUNCH_LIBTPU_INIT_ARGS"
 
 
-def megascale_hang_flags(threshold_s: float | None) -> str:
+# libtpu's threshold is the stall timeout and this much more: tpulaunch's own stall comes first, while
+# every host process is alive for its stacks (libtpu aborts them as it reports); libtpu's report is
+# the backstop where the stall is not seen (a thread of the script printing while the program hangs)
+LIBTPU_HANG_MARGIN_S = 60
+
+
+def megascale_hang_flags(stall_s: float | None) -> str:
     flags = "--megascale_abort_on_hangs=true"
-    return flags + (f" --megascale_graph_hang_threshold={max(1, int(threshold_s))}s" if threshold_s else "")
+    return flags + (f" --megascale_graph_hang_threshold={max(1, int(stall_s)) + LIBTPU_HANG_MARGIN_S}s"
+                    if stall_s else "")
 
 
 def libtpu_args(ours: str | None, theirs: str | None) -> str | None:
