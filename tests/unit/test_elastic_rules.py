@@ -132,3 +132,30 @@ def test_policy_shrinks_counts_it_and_grows_for_free(outcome, min_slices, whole,
 def test_a_shrink_needs_the_preemption_budget():
     d = policy.decide(_attempt(Outcome.LOST, 2), policy.Budgets(max_preemptions=1, min_slices=1), policy.Spent(0, 1), 1)
     assert d.action is policy.Action.FINISH and "--max-preemptions 1 spent" in d.why
+
+
+def test_a_spare_being_made_again_is_not_swapped_in():
+    """A hung slice a spare replaced is on record as a spare at once, and alive in Ray until its
+    replacement (in the background) takes it down: a swap meanwhile must not pick it (nor one busy,
+    broken or of another shape)."""
+    import threading
+
+    from tpulaunch.discover.ray_labels import RaySlice
+    from tpulaunch.run.recovery.elastic import Background
+    from tpulaunch.run.recovery.resize import free_spares
+
+    topo = T.resolve(topology="2x2x2", accelerator="v4")
+
+    def sl(name, pod="v4-16", topology="2x2x2", alive=(True, True), busy=(False, False)):
+        return RaySlice(name, pod, topology, tuple((w, f"10.0.0.{w}", alive[w], busy[w]) for w in range(2)))
+
+    slices = [sl("hung"), sl("spare-0"), sl("busy", busy=(False, True)), sl("broken", alive=(True, False)),
+              sl("small", "v4-8", "2x2x1")]
+    names = ["hung", "busy", "broken", "small", "spare-0"]
+    assert [s.name for s in free_spares(names, slices, topo)] == ["hung", "spare-0"]
+    release = threading.Event()
+    making = Background("slice(s) hung made again as spares", release.wait, lambda _line: None, slices=["hung"])
+    assert making.healing() == {"hung"}
+    assert [s.name for s in free_spares(names, slices, topo, making.healing())] == ["spare-0"]
+    release.set()
+    assert making.done.wait(5) and making.healing() == set()

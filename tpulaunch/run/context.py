@@ -35,6 +35,10 @@ class RunContext:
     def stopped(self) -> bool:
         return self.sigs.received is not None
 
+    def healing(self) -> set[str]:
+        """The slices being made again in the background: no spare until they are."""
+        return set().union(*(h.healing() for h in self.healings))
+
     def cancel_background(self) -> None:
         for r in [*self.regrowths, *self.healings]:
             r.cancel()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from tpulaunch.cluster.record import ClusterInfo
@@ -142,6 +142,10 @@ class Regrowth:
             self.error = failure_line(e)
             self.say(f"slice(s) {', '.join(self.lost)} not brought back: {self.error}; the run goes on without them")
 
+    def healing(self) -> set[str]:
+        """The slices still coming back (none once they are back, or will not be)."""
+        return set() if self.ready_at is not None or self.error is not None or self._stop.is_set() else set(self.lost)
+
     def should_grow(self, watch: AttemptWatch, now: float) -> str | None:
         """Asked by the running attempt's watch: a reason to end it and grow back, or None."""
         if self.ready_at is None:
@@ -158,8 +162,9 @@ class Background:
     """Work on the cluster that goes on while the run does (a hung slice made again as a spare): a
     thread of its own; its failure is said, never raised into the run."""
 
-    def __init__(self, what: str, fn: Callable[[], object], say: Callable[[str], None]) -> None:
-        self.what, self.say = what, say
+    def __init__(self, what: str, fn: Callable[[], object], say: Callable[[str], None],
+                 slices: Iterable[str] = ()) -> None:
+        self.what, self.say, self.slices = what, say, tuple(slices)
         self.error: str | None = None
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(fn,), name="tpulaunch-background", daemon=True)
@@ -174,6 +179,10 @@ class Background:
             self.say(f"{self.what}: not done: {self.error}")
         finally:
             self.done.set()
+
+    def healing(self) -> set[str]:
+        """The slices it is making again, until it is done."""
+        return set() if self.done.is_set() else set(self.slices)
 
     def cancel(self) -> None:
         """Nothing to stop midway (a re-creation asked for goes on); the run only stops waiting for it."""

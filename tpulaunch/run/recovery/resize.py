@@ -13,7 +13,7 @@ slice again, swap a spare in) is the provider's (`tpulaunch.providers`); what to
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -154,7 +154,7 @@ def swap_in_spares(lost: list[str], a: Attempt, current: LaunchPlan, ctx: RunCon
         return None
     t0 = time.monotonic()
     topo = current.topology
-    ready = free_spares(spares, ray_labels.read_slices(), topo)
+    ready = free_spares(spares, ray_labels.read_slices(), topo, ctx.healing())
     if len(ready) < len(lost):
         ctx.sink.progress(f"{len(ready)} spare(s) of {topo.accelerator_type} ({topo.topology}) whole and free,"
                           f" {len(lost)} needed: waiting for the lost slice(s) instead")
@@ -191,17 +191,20 @@ def warm_spares(ctx: RunContext, topo: Topology) -> int:
         spares = set(providers.of(ctx.cluster).spares())
         if not spares:
             return 0
-        ready = free_spares(spares, ray_labels.read_slices(), topo)
+        ready = free_spares(spares, ray_labels.read_slices(), topo, ctx.healing())
         return warm_agents([(s.name, w) for s in ready for w, _, _, _ in s.workers])
     except Exception:  # Ray's answer: the run goes on, and a swap starts the agents itself
         return 0
 
 
-def free_spares(names: Iterable[str], slices: Iterable[RaySlice], topo: Topology) -> list[RaySlice]:
+def free_spares(names: Iterable[str], slices: Iterable[RaySlice], topo: Topology,
+                healing: Collection[str] = ()) -> list[RaySlice]:
     """The spares named in `names` (in that order) that Ray's `slices` show whole, free and of the
-    run's shape: the ones a swap may use."""
+    run's shape, and not being made again (`healing`: a hung slice a spare replaced is a spare on
+    record at once, and alive in Ray until its replacement takes it down): the ones a swap may use.
+    Pure."""
     by_name = {s.name: s for s in slices}
-    return [by_name[n] for n in names if n in by_name and by_name[n].intact(topo.num_hosts)
+    return [by_name[n] for n in names if n in by_name and n not in healing and by_name[n].intact(topo.num_hosts)
             and not by_name[n].busy and same_shape(by_name[n], topo)]
 
 
@@ -235,7 +238,8 @@ def replace_hung(a: Attempt, current: LaunchPlan, full: LaunchPlan,
             if provider.replace_refusal() is None:
                 ctx.healings.append(elastic.Background(
                     f"slice(s) {', '.join(names)} made again as spares",
-                    lambda: provider.replace(names, hang.line, wait_s, ctx.sink.progress), ctx.sink.progress))
+                    lambda: provider.replace(names, hang.line, wait_s, ctx.sink.progress), ctx.sink.progress,
+                    slices=names))
             nxt = next_attempt(swapped, "restart")
             return nxt, nxt, None
     t0 = time.monotonic()
