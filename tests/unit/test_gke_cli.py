@@ -247,6 +247,27 @@ def test_a_bring_up_that_meets_another_users_object_of_its_name_deletes_none_of_
         store.delete("serviceaccounts", "default", "clash-tpulaunch")
 
 
+def test_a_cluster_without_the_tpu_webhook_is_one_line_at_once_not_a_wait_for_hosts_that_never_join(api, env):
+    """KubeRay alone (helm's operator chart), no TPU webhook: its TPU pods get no TPU_NAME, so Ray
+    would give their hosts no slice and the bring-up would wait its whole --timeout. The first look
+    at the pods says so, and what was made is deleted."""
+    store = api[1]
+    operator = fake_kuberay.KubeRay(store)  # this store admits pods as they are: no webhook mutates them
+    operator.start()
+    try:
+        proc = invoke("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--spot",
+                      "--image", "i", "--name", "nohook", "--timeout", "120", env=env)
+    finally:
+        operator.stop()
+    assert proc.returncode == ExitCode.CLUSTER and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]  # after the bring-up's progress, and what it deleted
+    assert line.startswith("error: ") and "bring-up failed: deleting what it made" in proc.stderr
+    assert "pod nohook-tpu-" in line and "has no TPU_NAME: the KubeRay TPU webhook is not installed" in line, line
+    assert "RayOperator" in line and "kuberay-tpu-webhook" in line
+    assert store.get("rayclusters", "default", "nohook") is None
+    assert not [o for o in store.list("secrets", "default")[0] if o["metadata"]["name"].startswith("nohook")]
+
+
 def test_rbac_forbidden_names_the_verb_and_resource_to_ask_for(api, env):
     server = api[0]
     server.deny("admin", "list", "nodes")

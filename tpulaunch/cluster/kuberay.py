@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from tpulaunch.cluster import kuberay_manifest as manifest
 from tpulaunch.errors import ClusterError
+from tpulaunch.plan import gke
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 
 if TYPE_CHECKING:
@@ -187,6 +188,7 @@ def wait_pods(kube: Kube, name: str, group: str, num_slices: int, hosts: int, ti
     last = None
     while True:
         pods = kube.list("Pod", selector(name))
+        check_webhook(pods, group)
         head = [p for p in pods if (p["metadata"].get("labels") or {}).get(NODE_TYPE) == "head" and not _deleting(p)]
         progress = slice_progress(pods, group, num_slices, hosts)
         head_ready = bool(head) and _ready(head[0])
@@ -209,13 +211,44 @@ def wait_pods(kube: Kube, name: str, group: str, num_slices: int, hosts: int, ti
         time.sleep(poll_s)
 
 
+def unmutated(pods: list[dict], group: str) -> str | None:
+    """A pod of the TPU worker group whose TPU container has no TPU_NAME, the variable the KubeRay TPU
+    webhook always sets (and Ray makes the slice label of): its name, or None. Pure."""
+    for p in pods:
+        labels = p["metadata"].get("labels") or {}
+        if labels.get(NODE_TYPE) != "worker" or labels.get(GROUP) != group:
+            continue
+        for c in (p.get("spec") or {}).get("containers") or []:
+            tpu = gke.TPU_RESOURCE in ((c.get("resources") or {}).get("limits") or {})
+            if tpu and not any(e.get("name") == "TPU_NAME" for e in c.get("env") or []):
+                return str(p["metadata"]["name"])
+    return None
+
+
+def check_webhook(pods: list[dict], group: str) -> None:
+    """ClusterError, at once, when the TPU webhook did not mutate the group's pods: their hosts would
+    join Ray with no slice, and the bring-up would wait its whole --timeout for them."""
+    bare = unmutated(pods, group)
+    if bare is not None:
+        raise ClusterError(
+            f"pod {bare} has no TPU_NAME: the KubeRay TPU webhook is not installed in this cluster (Ray gives"
+            " its TPU hosts no slice without it)",
+            "enable GKE's Ray Operator add-on (`gcloud container clusters update CLUSTER --update-addons"
+            "=RayOperator=ENABLED`), or install it: `helm install kuberay-tpu-webhook"
+            " oci://us-docker.pkg.dev/ai-on-gke/kuberay-tpu-webhook-helm/kuberay-tpu-webhook`")
+
+
 def wait_head(kube: Kube, name: str, timeout_s: float, say: Callable[[str], None],
-              poll_s: float = 1.0) -> dict:
-    """Until the head pod runs and is ready: the pod. ClusterError after `timeout_s` (saying why it waits)."""
+              poll_s: float = 1.0, group: str | None = None) -> dict:
+    """Until the head pod runs and is ready: the pod. ClusterError after `timeout_s` (saying why it
+    waits), or as soon as `group`'s pods show the TPU webhook missing (`check_webhook`)."""
     end = time.monotonic() + timeout_s
     said = False
     while True:
-        pods = [p for p in kube.list("Pod", selector(name, head=True)) if not _deleting(p)]
+        every = [p for p in kube.list("Pod", selector(name)) if not _deleting(p)]
+        if group is not None:
+            check_webhook(every, group)
+        pods = [p for p in every if (p["metadata"].get("labels") or {}).get(NODE_TYPE) == "head"]
         if pods and _ready(pods[0]):
             return pods[0]
         if not said:

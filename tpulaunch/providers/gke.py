@@ -152,7 +152,7 @@ def up(checked: Checked, say: Say) -> ClusterInfo:
             say(f"RayCluster {request.name} is up already (made by tpulaunch): waiting for it")
         shape = req.shape
         provider = GkeProvider(info)
-        kuberay.wait_head(kube, request.name, request.timeout_s, say)
+        kuberay.wait_head(kube, request.name, request.timeout_s, say, group=manifest.GROUP)
         api = provider.job_api(kube)
         api.wait_answering(request.timeout_s)
         check_image(api, req.image, say)  # as soon as the head runs: a wrong image fails before any TPU wait
