@@ -323,8 +323,23 @@ class Kube:
 
     # -- port-forward -----------------------------------------------------------------------------
 
+    def allowed(self, verb: str, resource: str, subresource: str = "") -> bool:
+        """This identity may `verb` `resource`[/`subresource`] in the namespace (a SelfSubjectAccessReview)."""
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                  "spec": {"resourceAttributes": {"namespace": self.namespace, "verb": verb, "resource": resource,
+                                                  "subresource": subresource}}}
+        doc = self.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", body=review,
+                           what="selfsubjectaccessreviews") or {}
+        return bool((doc.get("status") or {}).get("allowed"))
+
     def forward(self, pod: str, port: int) -> Forward:
-        """A local port reaching `port` of `pod` through the API (see `Forward`)."""
+        """A local port reaching `port` of `pod` through the API (see `Forward`). KubeForbidden first
+        when RBAC refuses port-forwards: each connection through it would fail, and the job API
+        would be waited for as if the head were still starting."""
+        if not self.allowed("create", "pods", "portforward"):
+            raise KubeForbidden(f"forbidden by RBAC: port-forward to pod {pod} (the Ray head's job API)",
+                                f"ask your cluster admin for 'create' on pods/portforward in namespace {self.namespace}"
+                                ", or run tpulaunch in a pod of the cluster")
         return Forward(self, pod, port)
 
 

@@ -278,6 +278,27 @@ def test_rbac_forbidden_names_the_verb_and_resource_to_ask_for(api, env):
     assert "forbidden by RBAC" in line and "ask your cluster admin for 'list' on nodes" in line
 
 
+def test_a_port_forward_rbac_refuses_is_one_line_before_any_connection_waits_on_it(api):
+    """Outside the cluster the head's job API is reached through a port-forward: without the right to
+    make one, every connection would fail and be waited for as a head still starting (15 minutes)."""
+    from tpulaunch import kube as kube_mod
+
+    server, _store, kubeconfig, _home = api
+    kube = kube_mod.connect(kube_mod.KubeTarget(kubeconfig=kubeconfig))
+    fwd = kube.forward("head-pod", 8265)  # allowed: a local port, nothing asked of the pod yet
+    assert fwd.url.startswith("http://127.0.0.1:")
+    fwd.close()
+    server.deny("admin", "create", "pods/portforward", "default")
+    try:
+        with pytest.raises(kube_mod.KubeForbidden) as e:
+            kube.forward("head-pod", 8265)
+    finally:
+        server.allow("admin", "create", "pods/portforward", "default")
+    assert e.value.line() == ("forbidden by RBAC: port-forward to pod head-pod (the Ray head's job API). ask your"
+                              " cluster admin for 'create' on pods/portforward in namespace default, or run"
+                              " tpulaunch in a pod of the cluster"), e.value.line()
+
+
 def test_kuberays_crd_missing_is_one_line(api, env):
     server = api[0]
     server.set_served("ray.io/v1", False)
