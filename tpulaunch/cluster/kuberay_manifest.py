@@ -124,9 +124,14 @@ def raycluster(req: GkeClusterRequest) -> dict:
                     "metadata": {"labels": _labels(req)},
                     "spec": {
                         "serviceAccountName": req.service_account,
-                        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                            "nodeSelectorTerms": [{"matchExpressions": [
-                                {"key": gke.ACCELERATOR_LABEL, "operator": "DoesNotExist"}]}]}}},
+                        # never on a TPU node; on an on-demand one where there is one (a spot node's
+                        # preemption would take the head, and with it the cluster and its runs)
+                        "affinity": {"nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [{"matchExpressions": [
+                                    {"key": gke.ACCELERATOR_LABEL, "operator": "DoesNotExist"}]}]},
+                            "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "preference": {
+                                "matchExpressions": [{"key": gke.SPOT_LABEL, "operator": "DoesNotExist"}]}}]}},
                         "containers": [{
                             "name": "ray-head", "image": req.image, "env": list(common_env),
                             "ports": [{"containerPort": GCS_PORT, "name": "gcs-server"},
