@@ -85,22 +85,46 @@ def _kubeconfig_file(target: KubeTarget) -> str | None:
     return str(home) if home.is_file() else None
 
 
+def _kubeconfig_docs(path: str) -> list[dict]:
+    """The kubeconfig files of `path` (os.pathsep-joined), read; one that cannot be is left to the
+    client, which says what is wrong with it."""
+    import yaml
+
+    docs = []
+    for f in path.split(os.pathsep):
+        try:
+            doc = yaml.safe_load(Path(f).read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(doc, dict):
+            docs.append(doc)
+    return docs
+
+
 def _current_context(path: str) -> str | None:
     """kubectl's current context of several kubeconfig files: the first file's that sets one (the
     client's merge takes the last file's). None for one file (the client reads it as kubectl does)."""
-    import yaml
-
-    files = path.split(os.pathsep)
-    if len(files) < 2:
+    if os.pathsep not in path:
         return None
-    for f in files:
-        try:
-            doc = yaml.safe_load(Path(f).read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            continue  # the client says what is wrong with it
-        if isinstance(doc, dict) and doc.get("current-context"):
-            return str(doc["current-context"])
-    return None
+    return next((str(d["current-context"]) for d in _kubeconfig_docs(path) if d.get("current-context")), None)
+
+
+def _check_exec_plugin(path: str, context: str | None) -> None:
+    """KubeError (one line) when the context's user gets its credentials from a program that is not on
+    PATH (GKE's `gke-gcloud-auth-plugin`): the client would only log it, and the API's 401 would send
+    the user to refresh credentials that were never the problem."""
+    import shutil
+
+    docs = _kubeconfig_docs(path)
+    name = context or next((d["current-context"] for d in docs if d.get("current-context")), None)
+    ctx = next((c.get("context") or {} for d in docs for c in d.get("contexts") or [] if c.get("name") == name), {})
+    user = next((u.get("user") or {} for d in docs for u in d.get("users") or [] if u.get("name") == ctx.get("user")),
+                {})
+    command = str((user.get("exec") or {}).get("command") or "")
+    if command and shutil.which(command) is None:
+        raise KubeError(f"the kubeconfig's user {ctx.get('user')} gets its credentials from {command}, which is"
+                        " not on PATH",
+                        "install it (`gcloud components install gke-gcloud-auth-plugin`), or put it on PATH")
 
 
 def connect(target: KubeTarget) -> Kube:
@@ -125,6 +149,7 @@ def connect(target: KubeTarget) -> Kube:
         else:
             cfg = client.Configuration()
             context = target.context or _current_context(path)
+            _check_exec_plugin(path, context)
             config.load_kube_config(config_file=path, context=context, client_configuration=cfg,
                                     persist_config=False)
             _contexts, active = config.list_kube_config_contexts(config_file=path)

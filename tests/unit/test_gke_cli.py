@@ -268,6 +268,21 @@ def test_a_cluster_without_the_tpu_webhook_is_one_line_at_once_not_a_wait_for_ho
     assert not [o for o in store.list("secrets", "default")[0] if o["metadata"]["name"].startswith("nohook")]
 
 
+def test_a_credential_plugin_not_on_path_is_one_line_naming_it(api, tmp_path):
+    """GKE's kubeconfigs get their tokens from `gke-gcloud-auth-plugin`: missing, the client only logs
+    it and the API answers 401, whose hint (refresh the credentials) would mislead."""
+    _server, _store, kubeconfig, _home = api
+    cfg = json.loads(Path(kubeconfig).read_text())
+    cfg["users"][0]["user"] = {"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1",
+                                        "command": "gke-gcloud-auth-plugin-not-here", "provideClusterInfo": True}}
+    path = tmp_path / "exec-kubeconfig"
+    path.write_text(json.dumps(cfg))
+    line = one_line(invoke("slice", "list", "--gke", env=cli_env(tmp_path / "h", KUBECONFIG=str(path))),
+                    ExitCode.DISCOVERY)
+    assert "gets its credentials from gke-gcloud-auth-plugin-not-here, which is not on PATH" in line
+    assert "gcloud components install gke-gcloud-auth-plugin" in line
+
+
 def test_rbac_forbidden_names_the_verb_and_resource_to_ask_for(api, env):
     server = api[0]
     server.deny("admin", "list", "nodes")
