@@ -76,8 +76,10 @@ def _check(doc: dict) -> None:
     # bounded by the 70 steps that counted, not held to 10/70 of them (seen at 0.23 under load)
     assert b["wasted_progress"] >= 0.9 * 10 * STEP_S and b["productive"] >= 0.9 * 70 * STEP_S, b
     assert b["wasted_progress"] < b["productive"], b
-    # saves at 20, 40 (kept) and 60: each its sleep, and up to 0.1 s more that a busy machine adds (0.419 s in all seen)
-    assert 0.9 * 3 * SAVE_S <= b["checkpoint"] <= 3 * (SAVE_S + 0.1), b
+    # saves at 20, 40 (kept) and 60: each its sleep, and what a busy machine adds to waking from it (0.419 s in
+    # all seen at a load of 4, 0.712 s at 7 on 2 cores); a save that took in the 20 steps before it (1 s each
+    # time) would be 1.3 s or more
+    assert 0.9 * 3 * SAVE_S <= b["checkpoint"] <= 3 * SAVE_S + 0.9, b
     assert doc["goodput"] == pytest.approx(b["productive"] / doc["wall_s"], rel=0.01)
 
 
