@@ -19,7 +19,6 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,7 +209,7 @@ class Kube:
     # -- the one request path ---------------------------------------------------------------------
 
     def _send(self, method: str, path: str, query: dict | None, body: Any, content_type: str,
-              timeout: float | None, stream: bool = False) -> Any:
+              timeout: float | None) -> Any:
         """The HTTP exchange (the client's serializer, auth and TLS); the client's response."""
         headers = {"Accept": "application/json"}
         if body is not None:
@@ -220,8 +219,7 @@ class Kube:
                 method, path, query_params=list((query or {}).items()), header_params=headers, body=body,
                 auth_settings=["BearerToken"])
             resp = self.api.call_api(m, url, header_params=hdrs, body=data, _request_timeout=timeout or timeout_s())
-            if not stream or resp.status >= 300:
-                resp.read()
+            resp.read()
             return resp
         except KubeError:
             raise
@@ -306,46 +304,6 @@ class Kube:
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
         return self.request("DELETE", self._path(kind, name), body=body, what=f"{KINDS[kind][1]}/{name}") is not None
 
-    # -- watching ---------------------------------------------------------------------------------
-
-    def watch(self, kind: str, selector: str | None, resource_version: str | None,
-              timeout: float) -> Iterator[tuple[str, dict]]:
-        """(type, object) events after `resource_version`, for at most `timeout` s. A 410 Gone (the
-        version is too old) ends it with KubeGone: list again and watch from the list's version."""
-        import json
-
-        query = {"watch": "true", "timeoutSeconds": str(max(1, int(timeout))), "allowWatchBookmarks": "true"}
-        if selector:
-            query["labelSelector"] = selector
-        if resource_version:
-            query["resourceVersion"] = resource_version
-        resp = self._send("GET", self._path(kind), query, None, "", timeout + timeout_s(), stream=True)
-        if resp.status == 410:
-            raise KubeGone()
-        if resp.status >= 300:
-            raise self._error(resp.status, resp.data, "GET", KINDS[kind][1], "watch")
-        r = resp.response
-        buf = b""
-        try:
-            for chunk in r.stream(4096):
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    if not line.strip():
-                        continue
-                    ev = json.loads(line)
-                    if ev.get("type") == "ERROR":
-                        if (ev.get("object") or {}).get("code") == 410:
-                            raise KubeGone()
-                        raise KubeError(f"watching {KINDS[kind][1]}: {(ev.get('object') or {}).get('message')}", "")
-                    yield ev.get("type", ""), ev.get("object") or {}
-        except KubeError:
-            raise
-        except Exception:  # the stream ended (timeout, connection closed): the caller watches again
-            return
-        finally:
-            r.release_conn()
-
     # -- port-forward -----------------------------------------------------------------------------
 
     def allowed(self, verb: str, resource: str, subresource: str = "") -> bool:
@@ -366,13 +324,6 @@ class Kube:
                                 f"ask your cluster admin for 'create' on pods/portforward in namespace {self.namespace}"
                                 ", or run tpulaunch in a pod of the cluster")
         return Forward(self, pod, port)
-
-
-class KubeGone(KubeError):
-    """A watch's resourceVersion is too old (410 Gone)."""
-
-    def __init__(self) -> None:
-        super().__init__("the watch's resourceVersion is gone (410)", "list again")
 
 
 def _reason(e: BaseException) -> str:
