@@ -126,17 +126,17 @@ class AttemptWatch:
             self._slice_goes(i, f"host {r.process_index} preempted: {reply.preempted}")
             action = self._fail_fast(f"host {r.process_index} is preempted ({reply.preempted})",
                                      grace_s=self.rules.preemption_grace_s, source=i)
-        if libtpu_hang is not None and self.pending and self.outcome is None:  # libtpu's own hang report
+        # libtpu's own hang report, unless the attempt is ending already
+        hang = libtpu_hang if self.pending and self.outcome is None else None
+        if hang is not None:
             self.outcome = Outcome.STALLED
             self.failed_fast = True  # the hang ends the attempt, not this host's abort after its report
-            if reply.code is not None:  # libtpu aborted it as it reported: its end is kept, not waited for
-                r.phases = dict(reply.phases)
-                self._ended(i, reply.code, reply.ended or wall_now)
-            return StopAll(Outcome.STALLED, f"libtpu reported a hang on host {r.process_index}: {libtpu_hang[:160]}",
-                           self._stop(self.pending), dump_stacks=True)
-        if reply.code is not None:
+        if reply.code is not None:  # (with a hang report: libtpu aborted it as it reported; its end is kept)
             r.phases = dict(reply.phases)
             action = self._ended(i, reply.code, reply.ended or wall_now) or action
+        if hang is not None:
+            return StopAll(Outcome.STALLED, f"libtpu reported a hang on host {r.process_index}: {hang[:160]}",
+                           self._stop(self.pending), dump_stacks=True)
         return action
 
     def on_gone(self, i: int, cause: Cause, why: str) -> Action:
