@@ -284,11 +284,17 @@ class RayFleet:
             pass
 
 
+def _host_port(address: str) -> tuple[str, int]:
+    """(host, port) of `host:port` (a `ray://` prefix allowed); ValueError when the port is no number."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    return host, int(port)
+
+
 def _numeric(address: str) -> tuple[str, int] | None:
     """(IP, port) of `host:port` when the host is an IP address (IPv6 in brackets or not), else None."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
-        return str(ipaddress.ip_address(host.strip("[]"))), int(port)
+        host, port = _host_port(address)
+        return str(ipaddress.ip_address(host.strip("[]"))), port
     except ValueError:
         return None
 
@@ -298,6 +304,8 @@ def probe(addresses: list[str], timeout: float = PROBE_TIMEOUT_S) -> list[bool |
     False where it was refused (the machine answers and nothing listens there), None where nothing
     was proved (a timeout, an unreachable network, a name: none is looked up, which no timeout bounds)."""
     out: list[bool | None] = [None] * len(addresses)
+    if not addresses:  # the supervise loop's every pass with no poll overdue: no selector to make
+        return out
     pending: dict[int, tuple[socket.socket, int]] = {}  # fd -> (its socket, its address's index)
     with selectors.DefaultSelector() as sel:
         try:
@@ -333,8 +341,7 @@ def _verdict(err: int) -> bool | None:
 
 def _connect(address: str, timeout: float) -> None:
     """A TCP connection to `host:port` (a `ray://` prefix allowed), opened and closed; raises why not."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    socket.create_connection((host, int(port)), timeout=timeout).close()
+    socket.create_connection(_host_port(address), timeout=timeout).close()
 
 
 def refused(address: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
