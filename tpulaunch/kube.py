@@ -100,22 +100,18 @@ def _kubeconfig_docs(path: str) -> list[dict]:
     return docs
 
 
-def _current_context(path: str) -> str | None:
-    """kubectl's current context of several kubeconfig files: the first file's that sets one (the
-    client's merge takes the last file's). None for one file (the client reads it as kubectl does)."""
-    if os.pathsep not in path:
-        return None
-    return next((str(d["current-context"]) for d in _kubeconfig_docs(path) if d.get("current-context")), None)
+def _current_context(docs: list[dict]) -> str | None:
+    """kubectl's current context of the kubeconfig files: the first file's that sets one (the
+    client's merge of several takes the last one's)."""
+    return next((str(d["current-context"]) for d in docs if d.get("current-context")), None)
 
 
-def _check_exec_plugin(path: str, context: str | None) -> None:
+def _check_exec_plugin(docs: list[dict], name: str | None) -> None:
     """KubeError (one line) when the context's user gets its credentials from a program that is not on
     PATH (GKE's `gke-gcloud-auth-plugin`): the client would only log it, and the API's 401 would send
     the user to refresh credentials that were never the problem."""
     import shutil
 
-    docs = _kubeconfig_docs(path)
-    name = context or next((d["current-context"] for d in docs if d.get("current-context")), None)
     ctx = next((c.get("context") or {} for d in docs for c in d.get("contexts") or [] if c.get("name") == name), {})
     user = next((u.get("user") or {} for d in docs for u in d.get("users") or [] if u.get("name") == ctx.get("user")),
                 {})
@@ -147,8 +143,9 @@ def connect(target: KubeTarget) -> Kube:
             where = f"the in-cluster API ({cfg.host})"
         else:
             cfg = client.Configuration()
-            context = target.context or _current_context(path)
-            _check_exec_plugin(path, context)
+            docs = _kubeconfig_docs(path)
+            context = target.context or _current_context(docs)
+            _check_exec_plugin(docs, context)
             config.load_kube_config(config_file=path, context=context, client_configuration=cfg,
                                     persist_config=False)
             _contexts, active = config.list_kube_config_contexts(config_file=path)
