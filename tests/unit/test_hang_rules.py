@@ -35,6 +35,9 @@ EVAL = dump("sleep_a_while (/w/train.py:50)", "evaluate (/w/train.py:60)")
     (LOAD, INPUT, "load_batch (train.py:23)"),
     (DATALOADER, INPUT, "_try_get_data (dataloader.py:1133)"),  # the queue wait says nothing; its caller does
     (EVAL, PYTHON, "sleep_a_while (train.py:50)"),
+    # a name that sounds like input counts only where the host is, not further out in its stack
+    (dump("save_checkpoint (/w/train.py:70)", "on_batch_end (/w/train.py:80)", "<module> (/w/train.py:90)"), PYTHON,
+     "save_checkpoint (train.py:70)"),
     ("(py-spy dump exited 1: Permission denied)", UNKNOWN, "no stack: (py-spy dump exited 1: Permission denied)"),
     # as py-spy prints them: a package's part of the path, the standard library's file name alone
     (dump("Condition.wait (threading.py:331)", "Queue.get (queue.py:180)", "load_batch (waitq.py:4)"), INPUT,

@@ -7,7 +7,8 @@ each host is classified by the innermost frame of its main thread that says what
 * `collective`: a cross-host operation (torch.distributed's all_reduce, all_gather, barrier, ...;
   JAX's process_allgather / sync_global_devices; XLA executing a program that waits on its peers:
   torch_xla's mark_step / wait_device_ops, a jitted call's `block_until_ready`);
-* `input`: loading data (a DataLoader, a file or socket read, a function named for its batches);
+* `input`: loading data (a DataLoader, a file or socket read; the host's innermost function named
+  for its batches);
 * `python`: anywhere else (compiling too: a host that compiles is not waiting on its peers);
 * `unknown`: no stack to read (py-spy failed, or the process had ended): never a culprit.
 
@@ -106,6 +107,7 @@ def _place_of_process(dump: str) -> Place:
     if not frames:
         said = next((line.strip() for line in dump.splitlines() if line.strip()), "nothing")
         return Place(UNKNOWN, f"no stack: {said[:120]}")
+    innermost = True
     for func, where in frames:  # innermost first: the first frame that says what it waits for
         name = func.rsplit(".", 1)[-1]
         file = where.rpartition(":")[0]
@@ -115,8 +117,11 @@ def _place_of_process(dump: str) -> Place:
             return Place(PYTHON, _short(func, where))
         if _COLLECTIVE_FUNCS.match(name) or _COLLECTIVE_FILES.search(file):
             return Place(COLLECTIVE, _short(func, where))
-        if _INPUT_FILES.search(file) or _INPUT_FUNCS.search(name):
+        # an input library's file at any depth; a function named for input only where the host is
+        # (a checkpoint saved under `on_batch_end` is not a wait for input)
+        if _INPUT_FILES.search(file) or (innermost and _INPUT_FUNCS.search(name)):
             return Place(INPUT, _short(func, where))
+        innermost = False
     first = next(((f, w) for f, w in frames if not _GENERIC.search(w.rpartition(":")[0])), frames[0])
     return Place(PYTHON, _short(*first))
 
