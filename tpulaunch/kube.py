@@ -184,6 +184,7 @@ Kind = tuple[str, str, str, bool]  # (api path prefix, plural, kind, namespaced)
 KINDS: dict[str, Kind] = {
     "Node": ("/api/v1", "nodes", "Node", False),
     "Pod": ("/api/v1", "pods", "Pod", True),
+    "Event": ("/api/v1", "events", "Event", True),
     "Service": ("/api/v1", "services", "Service", True),
     "Secret": ("/api/v1", "secrets", "Secret", True),
     "ServiceAccount": ("/api/v1", "serviceaccounts", "ServiceAccount", True),
@@ -268,9 +269,12 @@ class Kube:
 
     # -- reads ------------------------------------------------------------------------------------
 
-    def list(self, kind: str, selector: str | None = None, *, all_namespaces: bool = False) -> list[dict]:
-        """Every object of `kind` (in the namespace) matching the label selector."""
+    def list(self, kind: str, selector: str | None = None, *, all_namespaces: bool = False,
+             fields: str | None = None) -> list[dict]:
+        """Every object of `kind` (in the namespace) matching the label selector (and field selector)."""
         query = {"labelSelector": selector} if selector else {}
+        if fields:
+            query["fieldSelector"] = fields
         path = self._path(kind, namespaced=False if all_namespaces else None)
         doc = self.request("GET", path, query=query, what=KINDS[kind][1], verb="list") or {}
         return list(doc.get("items") or [])

@@ -3,8 +3,9 @@ HTTPS, KubeRay's controller and TPU webhook, GKE's TPU device plugin, and kubele
 in a network, PID and mount namespace of its own on this machine. Ray, JAX and torch_xla are real;
 tpulaunch talks to the API with the client it uses in production.
 
-In order, on one fake cluster (2 spot v5p 2x2x2 node pools, and others that do not fit): Debian's
-kubectl reads it; `cluster up --gke` brings Ray up on 2 slices of 2 hosts; the JAX and torch_xla
+In order, on one fake cluster (2 spot v5p 2x2x2 node pools, one of them autoscaling from zero, and
+others that do not fit): Debian's kubectl reads it; `cluster up --gke --autoscaler` brings Ray up on
+2 slices of 2 hosts, GKE's autoscaler making the second pool's nodes; the JAX and torch_xla
 recipes train there as on an emulated cluster of that shape; a detached run is followed and
 stopped; a node is preempted mid-run and the run comes back from its checkpoint; an image of another
 tpulaunch is refused and nothing of it is left; `cluster down` leaves no object and no process.
@@ -40,12 +41,12 @@ IMAGE = "example.com/tpulaunch:test"
 POOLS = [
     NodePool("default-pool", nodes=1),
     tpu_pool("v5p-a", "tpu-v5p-slice", "2x2x2", spot=True),
-    tpu_pool("v5p-b", "tpu-v5p-slice", "2x2x2", spot=True),
+    tpu_pool("v5p-b", "tpu-v5p-slice", "2x2x2", spot=True, autoscaled=True),  # no nodes until GKE's autoscaler makes them
     tpu_pool("v6e-16", "tpu-v6e-slice", "4x4"),  # neither fits the run's shape
     tpu_pool("v5e-8t", "tpu-v5-lite-podslice", "2x4", chips=8),
 ]
 UP = ("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--num-slices", "2", "--spot",
-      "--image", IMAGE, "--name", NAME)
+      "--image", IMAGE, "--name", NAME, "--autoscaler")
 CKPT_SCRIPT = """\
 import json, os, time
 import tpulaunch
@@ -125,6 +126,10 @@ def test_cluster_up_brings_every_host_of_every_slice_into_ray_and_kubectl_sees_i
     assert [(s["name"], s["accelerator_type"], len(s["workers"])) for s in doc["slices"]] == [
         ("tpu-0", "v5p-16", 2), ("tpu-1", "v5p-16", 2)]
     assert "in Ray: tpu-0: 2/2  tpu-1: 2/2" in up.stderr and "checking the image's tpulaunch" in up.stderr
+    # one slice on v5p-a, there from the start; the other on v5p-b, which GKE's autoscaler made for its pods
+    assert "v5p-a; the rest from GKE's cluster autoscaler" in up.stderr, up.stderr
+    assert re.search(r"tpu-[01]: autoscaler: pod triggered scale-up: gke-fake-v5p-b-grp 0->2 \(max: 2\)", up.stderr), \
+        up.stderr
     st = json.loads(cli(gke, "cluster", "status", "--json").stdout)
     assert [[h["alive"] for h in s["hosts"]] for s in st["slices"]] == [[True, True], [True, True]]
     assert st["gke"]["head_ready"] and {s["node_pool"] for s in st["slices"]} == {"v5p-a", "v5p-b"}

@@ -314,6 +314,46 @@ def test_a_port_forward_rbac_refuses_is_one_line_before_any_connection_waits_on_
                               " tpulaunch in a pod of the cluster"), e.value.line()
 
 
+def test_pools_the_autoscaler_makes_pass_the_fit_check_and_its_no_ends_the_bring_up_at_once(tmp_path):
+    """A cluster whose only TPU pool autoscales from zero (no nodes until a pod asks), of another shape
+    than asked: without --autoscaler the fit check refuses and says --autoscaler is there; with it,
+    the bring-up goes on until GKE's cluster autoscaler answers the TPU pods, and its "no node could
+    ever take them" ends it at once (not at --timeout), quoting it, with what it made deleted."""
+    from fakes.gke import FakeGke
+    from fakes.gke.autoscaler import ClusterAutoscaler
+
+    store = Store()
+    store.on_create("pods", FakeGke._admit_pod)  # GKE's admission and the TPU webhook
+    pools = [NodePool("default-pool", nodes=1), tpu_pool("v6e-auto", "tpu-v6e-slice", "4x4", autoscaled=True)]
+    for name in node_names("unit", pools[0]):
+        store.create("nodes", node_object(pools[0], name, "10.0.0.1"))
+    server = ApiServer(store, {TOKEN: "admin"})
+    server.start()
+    env = cli_env(tmp_path / "home", KUBECONFIG=str(server.kubeconfig(tmp_path / "kubeconfig", user="admin",
+                                                                        token=TOKEN)),
+                  TPULAUNCH_HOME=str(tmp_path / "state"))
+    operator = fake_kuberay.KubeRay(store)
+    operator.start()
+    scaler = ClusterAutoscaler(store, pools, scan_s=0.2).start()
+    up = ("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--image", "i", "--name", "auto")
+    try:
+        line = one_line(invoke(*up, env=env), ExitCode.DISCOVERY)
+        assert "(the cluster has no TPU node pools)" in line and "add --autoscaler" in line, line
+        proc = invoke(*up, "--autoscaler", "--timeout", "300", env=env)
+    finally:
+        scaler.stop()
+        operator.stop()
+        server.stop()
+    assert proc.returncode == ExitCode.DISCOVERY and "Traceback" not in proc.stderr, proc.stderr
+    assert "the rest from GKE's cluster autoscaler" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no node can ever take tpu-0's pods, says GKE's cluster autoscaler (auto-tpu-"), last
+    assert "pod didn't trigger scale-up: 1 node(s) didn't match Pod's node affinity/selector" in last, last
+    assert "bring-up failed: deleting what it made" in proc.stderr and store.get("rayclusters", "default", "auto") is None
+    assert not [n for n in store.list("nodes", None)[0] if "v6e-auto" in n["metadata"]["name"]]  # none made for it
+    assert not scaler.errors, scaler.errors
+
+
 def test_kuberays_crd_missing_is_one_line(api, env):
     server = api[0]
     server.set_served("ray.io/v1", False)

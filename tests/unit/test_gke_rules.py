@@ -223,6 +223,58 @@ def test_each_slices_progress_is_counted_from_its_pods():
     assert not any(p.whole for p in prog)
 
 
+def _event(pod_name: str, reason: str, message: str, at: str, component: str = "cluster-autoscaler") -> dict:
+    return {"kind": "Event", "involvedObject": {"kind": "Pod", "name": pod_name}, "reason": reason, "message": message,
+            "source": {"component": component}, "lastTimestamp": at}
+
+
+# The cluster autoscaler's messages as GKE shows them (kubectl describe pod; kubernetes/autoscaler's
+# EventingScaleUpStatusProcessor).
+TRIGGERED = ("pod triggered scale-up: [{https://www.googleapis.com/compute/v1/projects/p/zones/us-east5-a/"
+             "instanceGroups/gke-c-v5p-b-1a2b3c4d-grp 0->2 (max: 2)}]")
+MISMATCH = "pod didn't trigger scale-up: 3 node(s) didn't match Pod's node affinity/selector, 1 Insufficient google.com/tpu"
+FULL = "pod didn't trigger scale-up: 2 node(s) didn't match Pod's node affinity/selector, 1 max node group size reached"
+BACKOFF = "pod didn't trigger scale-up: 1 in backoff after failed scale-up"
+STOCKOUT = ("Node scale up in zones us-east5-a associated with this pod failed: GCE out of resources. Pod is at risk"
+            " of not being scheduled.")
+
+
+def test_the_cluster_autoscalers_last_word_on_a_slices_pods_says_whether_a_node_can_ever_come():
+    pods = {"c-tpu-0-a": "tpu-0", "c-tpu-0-b": "tpu-0", "c-tpu-1-a": "tpu-1"}
+    events = [
+        _event("c-tpu-0-a", "NotTriggerScaleUp", MISMATCH, "2026-12-07T10:00:05Z"),
+        _event("c-tpu-0-b", "TriggeredScaleUp", TRIGGERED, "2026-12-07T10:00:01Z"),  # earlier: the last word is the decline
+        _event("c-tpu-1-a", "NotTriggerScaleUp", MISMATCH, "2026-12-07T10:00:03Z"),
+        _event("c-tpu-1-a", "FailedScheduling", "0/5 nodes are available", "2026-12-07T10:00:09Z", "default-scheduler"),
+        _event("other-pod", "NotTriggerScaleUp", MISMATCH, "2026-12-07T10:00:09Z"),  # not this cluster's
+    ]
+    words = kuberay.autoscaler_words(events, pods)
+    assert sorted(words) == ["tpu-0", "tpu-1"]
+    # a slice one of whose pods made the autoscaler scale up is coming, whatever its other pods were told
+    assert words["tpu-0"].reason == "NotTriggerScaleUp" and words["tpu-0"].triggered and not words["tpu-0"].never
+    assert words["tpu-1"].never and words["tpu-1"].pod == "c-tpu-1-a"
+    # only a decline in which no node group could ever take the pod is final; the rest is capacity to wait for
+    for message, never in [(MISMATCH, True), (FULL, False), (BACKOFF, False), ("pod didn't trigger scale-up:", True),
+                           ("pod didn't trigger scale-up: 2 node(s) didn't match pod anti-affinity rules", False),
+                           ("pod didn't trigger scale-up: 1 node(s) had untolerated taint {google.com/tpu: present}",
+                            True)]:
+        word = kuberay.autoscaler_words([_event("p", "NotTriggerScaleUp", message, "t")], {"p": "tpu-0"})["tpu-0"]
+        assert word.never is never, message
+    up = kuberay.autoscaler_words([_event("p", "TriggeredScaleUp", TRIGGERED, "t")], {"p": "tpu-0"})["tpu-0"]
+    assert not up.never and up.short() == "autoscaler: pod triggered scale-up: gke-c-v5p-b-1a2b3c4d-grp 0->2 (max: 2)"
+    failed = kuberay.autoscaler_words([_event("p", "FailedScaleUp", STOCKOUT, "t")], {"p": "tpu-0"})["tpu-0"]
+    assert not failed.never and "GCE out of resources" in failed.short()
+
+
+def test_a_slice_waiting_on_the_autoscaler_says_so_in_its_progress_line():
+    waiting = [pod("a", 0, 0, phase="Pending", ready=False, node_name=""), pod("b", 1, 0)]
+    word = kuberay.AutoscalerWord("TriggeredScaleUp", TRIGGERED, "a")
+    prog = kuberay.slice_progress(waiting, "tpu", 2, 1, {"tpu-0": word, "tpu-1": word})
+    assert prog[0].line() == "tpu-0: 0/1 ready, 1 pending (autoscaler: pod triggered scale-up: gke-c-v5p-b-1a2b3c4d-grp" \
+                             " 0->2 (max: 2))"
+    assert prog[1].line() == "tpu-1: 1/1 ready" and prog[1].autoscaler is None  # its pods are placed: no word shown
+
+
 @pytest.mark.parametrize("name,ok", [("tpl-a", True), ("a" * 53, True), ("a" * 54, False), ("9abc", False),
                                      ("Abc", False), ("a_b", False), ("a-", False)])
 def test_a_raycluster_name_is_a_dns_label_kuberay_takes(name, ok):

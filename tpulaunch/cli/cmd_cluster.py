@@ -81,6 +81,7 @@ def up(
     image: str | None = typer.Option(None, "--image", help="--gke: the image every pod runs (with this tpulaunch and"
                                                            " its Ray)."),
     spot: bool = typer.Option(False, "--spot", help="--gke: the slices on spot node pools."),
+    autoscaler: bool = opt.AUTOSCALER,
     join_name: str | None = typer.Option(None, "--join", metavar="NAME",
                                          help="--gke: adopt the KubeRay cluster NAME (`cluster down` leaves it"
                                               " standing)."),
@@ -129,7 +130,7 @@ def up(
                 raise LaunchError(f"--timeout {timeout:g} is not a positive number of seconds", "e.g. --timeout 900")
             up_req = gke_provider.UpRequest(target, "tpulaunch" if name == "emulated" else name, topology,
                                             accelerator, num_slices or 1, chips_per_host, spot, image, placement_policy,
-                                            head_cpu, head_memory, timeout, spare_slices)
+                                            head_cpu, head_memory, timeout, spare_slices, autoscaler)
             if dry_run:
                 doc = gke_provider.dry_run(up_req)
                 if json_out:
@@ -154,8 +155,9 @@ def up(
             for line in gke_views.reach_lines(info):
                 out.info(line)
         return
-    if image or spot or join_name or placement_policy or dry_run:
-        raise LaunchError("--image, --spot, --join, --placement-policy and --dry-run go with --gke", "add --gke")
+    if image or spot or join_name or placement_policy or dry_run or autoscaler:
+        raise LaunchError("--image, --spot, --join, --placement-policy, --autoscaler and --dry-run go with --gke",
+                          "add --gke")
     if tpu:
         remote.up_remote(out, tpu, zone, project, port=port, python=remote_python, temp_dir=ray_temp_dir,
                          dashboard=dashboard, topology=topology, accelerator=accelerator, json_out=json_out,

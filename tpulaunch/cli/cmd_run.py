@@ -256,6 +256,7 @@ def run_cmd(
                                                   " (--keep-cluster keeps it)."),
     image: str | None = typer.Option(None, "--image", help="--gke: the image every pod runs."),
     spot: bool = typer.Option(False, "--spot", help="--gke: on spot node pools."),
+    autoscaler: bool = opt.AUTOSCALER,
     kubeconfig: str | None = opt.KUBECONFIG,
     context: str | None = opt.CONTEXT,
     namespace: str | None = opt.NAMESPACE,
@@ -294,16 +295,17 @@ def run_cmd(
         from tpulaunch.kube import KubeTarget
 
         raise typer.Exit(_on_a_gke_cluster_of_its_own(
-            out, req, KubeTarget(kubeconfig, context, namespace), image=image, spot=spot, hosts=hosts, dry_run=dry_run,
-            detach=detach))
-    if image or spot:
-        raise LaunchError("--image and --spot go with --gke", "add --gke (a cluster of the run's own on GKE)")
+            out, req, KubeTarget(kubeconfig, context, namespace), image=image, spot=spot, autoscaler=autoscaler,
+            hosts=hosts, dry_run=dry_run, detach=detach))
+    if image or spot or autoscaler:
+        raise LaunchError("--image, --spot and --autoscaler go with --gke",
+                          "add --gke (a cluster of the run's own on GKE)")
     raise typer.Exit(run_request(out, req, hosts=hosts, dry_run=dry_run, detach=detach, attach_stop=attach_stop,
                                  show_env=show_env))
 
 
 def _on_a_gke_cluster_of_its_own(out: Output, req: run.LaunchRequest, target: KubeTarget, *, image: str | None,
-                                 spot: bool, hosts: str | None, dry_run: bool, detach: bool) -> int:
+                                 spot: bool, autoscaler: bool, hosts: str | None, dry_run: bool, detach: bool) -> int:
     """`run --gke`: bring a RayCluster up for this run, run there (followed here), delete it after
     (unless --keep-cluster). Ctrl-C stops the run and deletes the cluster."""
     import dataclasses
@@ -323,7 +325,7 @@ def _on_a_gke_cluster_of_its_own(out: Output, req: run.LaunchRequest, target: Ku
     if load_record() is not None:
         raise LaunchError("a cluster is recorded as up already", "run on it with --address auto, or `cluster down` it")
     up = gke_provider.UpRequest(target, f"tpl-run-{secrets.token_hex(3)}", sl.topology, sl.accelerator,
-                                sl.num_slices or 1, sl.chips_per_host, spot, image)
+                                sl.num_slices or 1, sl.chips_per_host, spot, image, autoscaler=autoscaler)
     checked = gke_provider.check_up(up)  # the flags, the API, the pools: before anything is made
     with out.status(f"bringing up RayCluster {up.name} on GKE for this run ...") as st:
         def say(msg: str) -> None:

@@ -84,3 +84,7 @@ KUBECONFIG = typer.Option(None, "--kubeconfig", metavar="FILE",
                                " service account).")
 CONTEXT = typer.Option(None, "--context", help="With --gke: the kubeconfig context (default: its current one).")
 NAMESPACE = typer.Option(None, "--namespace", help="With --gke: the namespace (default: the context's, else default).")
+AUTOSCALER = typer.Option(False, "--autoscaler",
+                          help="With --gke: the TPU node pools come from GKE's cluster autoscaler (pools that scale"
+                               " from zero, node auto-provisioning): their nodes need not be there yet; the wait shows"
+                               " the autoscaler's answer, and ends at once if it says no node could ever fit.")

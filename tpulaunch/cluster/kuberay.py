@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tpulaunch.cluster import kuberay_manifest as manifest
-from tpulaunch.errors import ClusterError
+from tpulaunch.errors import ClusterError, DiscoveryError
 from tpulaunch.plan import gke
 from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
 
@@ -56,6 +56,7 @@ class SliceProgress:
     pods: int
     running: int
     ready: int
+    autoscaler: AutoscalerWord | None = None  # the cluster autoscaler's last word on its unscheduled pods
 
     @property
     def whole(self) -> bool:
@@ -65,17 +66,105 @@ class SliceProgress:
         if self.whole:
             return f"{self.name}: {self.hosts}/{self.hosts} ready"
         waiting = self.pods - self.running
-        return f"{self.name}: {self.ready}/{self.hosts} ready" + (f", {waiting} pending" if waiting else "")
+        return (f"{self.name}: {self.ready}/{self.hosts} ready" + (f", {waiting} pending" if waiting else "")
+                + (f" ({self.autoscaler.short()})" if self.autoscaler else ""))
 
 
-def slice_progress(pods: list[dict], group: str, num_slices: int, hosts: int) -> list[SliceProgress]:
-    """Per slice (replica 0..num_slices-1): its pods, running and ready. Pure."""
+# -- the cluster autoscaler's word on pods no node can take yet ---------------------------------
+#
+# Node pools that autoscale from zero, and node auto-provisioning, have no Node until a pod asks: the
+# cluster autoscaler answers an unschedulable pod with an event on it (source `cluster-autoscaler`,
+# kubernetes/autoscaler's EventingScaleUpStatusProcessor): `TriggeredScaleUp` ("pod triggered
+# scale-up: [{<instance group URL> 0->2 (max: 2)}]"), `NotTriggerScaleUp` ("pod didn't trigger
+# scale-up: 3 node(s) didn't match Pod's node affinity/selector, 1 max node group size reached"), or
+# `FailedScaleUp` ("Node scale up in zones us-east5-a associated with this pod failed: GCE out of
+# resources. Pod is at risk of not being scheduled.").
+
+AUTOSCALER = "cluster-autoscaler"
+SCALE_UP_REASONS = ("TriggeredScaleUp", "NotTriggerScaleUp", "FailedScaleUp")
+# What a decline gives as a node group's reason when no node of that group could ever take the pod
+# (the node's labels, taints and size against the pod's). Any other reason (a group at its max
+# size, a backoff after a failed scale-up, a quota, other pods' (anti-)affinity or ports) is
+# capacity or company that may change: the wait goes on.
+_NEVER = ("didn't match Pod's node affinity/selector", "had untolerated taint", "Insufficient ",
+          "volume node affinity conflict", "wouldn't fit if a new node is added")
+
+
+@dataclass(frozen=True)
+class AutoscalerWord:
+    """The cluster autoscaler's latest event on a pod (see above)."""
+
+    reason: str
+    message: str
+    pod: str
+    triggered: bool = False  # some pod of the slice had the autoscaler scale up for it
+
+    @property
+    def never(self) -> bool:
+        """A decline saying no node group can ever take the pod (and none scaled up for its slice)."""
+        if self.reason != "NotTriggerScaleUp" or self.triggered:
+            return False
+        reasons = [r.strip() for r in self.message.partition(":")[2].split(",") if r.strip()]
+        return all(any(n in r for n in _NEVER) for r in reasons)  # (none at all: no node group to try)
+
+    def short(self) -> str:
+        """The word for a progress line: the instance groups' URLs by their names."""
+        import re
+
+        text = re.sub(r"https?://\S*/", "", self.message).replace("[{", "").replace("}]", "")
+        return f"autoscaler: {text[:200]}"
+
+
+def _event_time(ev: dict) -> str:
+    return str(ev.get("lastTimestamp") or ev.get("eventTime") or ev.get("firstTimestamp")
+               or (ev.get("metadata") or {}).get("creationTimestamp") or "")
+
+
+def autoscaler_words(events: list[dict], pods: dict[str, str]) -> dict[str, AutoscalerWord]:
+    """Per slice, the cluster autoscaler's latest event on its pods: `pods` maps a pod's name to its
+    slice; `events` are the namespace's Pod events (the API's JSON). Pure."""
+    mine = [ev for ev in events
+            if AUTOSCALER in (((ev.get("source") or {}).get("component") or ""), ev.get("reportingComponent") or "")
+            and ev.get("reason") in SCALE_UP_REASONS
+            and (ev.get("involvedObject") or {}).get("name") in pods]
+    mine.sort(key=_event_time)
+    out: dict[str, AutoscalerWord] = {}
+    triggered: set[str] = set()
+    for ev in mine:
+        pod = ev["involvedObject"]["name"]
+        sl = pods[pod]
+        if ev["reason"] == "TriggeredScaleUp":
+            triggered.add(sl)
+        out[sl] = AutoscalerWord(ev["reason"], str(ev.get("message") or "").strip(), pod)
+    return {sl: AutoscalerWord(w.reason, w.message, w.pod, sl in triggered) for sl, w in out.items()}
+
+
+def slice_progress(pods: list[dict], group: str, num_slices: int, hosts: int,
+                   words: dict[str, AutoscalerWord] | None = None) -> list[SliceProgress]:
+    """Per slice (replica 0..num_slices-1): its pods, running and ready, and the autoscaler's word on
+    them while one is unscheduled (`words`, by slice name). Pure."""
     out = []
     for r in range(num_slices):
         mine = [p for p in pods if _in(p, group, r) and not _deleting(p)]
-        out.append(SliceProgress(f"{group}-{r}", hosts, len(mine),
+        name = f"{group}-{r}"
+        word = (words or {}).get(name) if any(_unscheduled(p) for p in mine) else None
+        out.append(SliceProgress(name, hosts, len(mine),
                                  sum(1 for p in mine if (p.get("status") or {}).get("phase") == "Running"),
-                                 sum(1 for p in mine if _ready(p))))
+                                 sum(1 for p in mine if _ready(p)), word))
+    return out
+
+
+def _unscheduled(pod: dict) -> bool:
+    return not (pod.get("spec") or {}).get("nodeName") and not _deleting(pod)
+
+
+def _slice_of_pods(pods: list[dict], group: str) -> dict[str, str]:
+    """Unscheduled pods of `group` -> their slice's name (what the autoscaler's events are read for)."""
+    out = {}
+    for p in pods:
+        labels = (p.get("metadata") or {}).get("labels") or {}
+        if labels.get(GROUP) == group and labels.get(REPLICA, "").isdigit() and _unscheduled(p):
+            out[p["metadata"]["name"]] = f"{group}-{labels[REPLICA]}"
     return out
 
 
@@ -190,9 +279,9 @@ def wait_pods(kube: Kube, name: str, group: str, num_slices: int, hosts: int, ti
         pods = kube.list("Pod", selector(name))
         check_webhook(pods, group)
         head = [p for p in pods if (p["metadata"].get("labels") or {}).get(NODE_TYPE) == "head" and not _deleting(p)]
-        progress = slice_progress(pods, group, num_slices, hosts)
+        progress = slice_progress(pods, group, num_slices, hosts, check_autoscaler(kube, pods, group))
         head_ready = bool(head) and _ready(head[0])
-        state = (head_ready, [(s.pods, s.running, s.ready) for s in progress])
+        state = (head_ready, [(s.pods, s.running, s.ready, s.autoscaler) for s in progress])
         if state != last:
             say(progress, head_ready)
             last = state
@@ -209,6 +298,28 @@ def wait_pods(kube: Kube, name: str, group: str, num_slices: int, hosts: int, ti
                                "check the node pools (`tpulaunch slice list --gke`) and the pods' events"
                                " (`kubectl describe pod`); raise --timeout for capacity that comes later")
         time.sleep(poll_s)
+
+
+def check_autoscaler(kube: Kube, pods: list[dict], group: str) -> dict[str, AutoscalerWord]:
+    """The cluster autoscaler's word on `group`'s unscheduled pods, by slice (from the namespace's Pod
+    events; none when RBAC keeps events from this user: the wait goes on without them), and a
+    DiscoveryError at once when it says no node could ever take a slice's pods."""
+    from tpulaunch.kube import KubeForbidden
+
+    waiting = _slice_of_pods(pods, group)
+    if not waiting:
+        return {}
+    try:
+        words = autoscaler_words(kube.list("Event", fields="involvedObject.kind=Pod"), waiting)
+    except KubeForbidden:
+        return {}
+    for name, word in sorted(words.items()):
+        if word.never:
+            raise DiscoveryError(f"no node can ever take {name}'s pods, says GKE's cluster autoscaler"
+                                 f" ({word.pod}: {word.message[:300]})",
+                                 "create a node pool of that shape (or one that autoscales from zero), or ask for a"
+                                 " shape that is there (`tpulaunch slice list --gke`)")
+    return words
 
 
 def unmutated(pods: list[dict], group: str) -> str | None:
@@ -241,13 +352,19 @@ def check_webhook(pods: list[dict], group: str) -> None:
 def wait_head(kube: Kube, name: str, timeout_s: float, say: Callable[[str], None],
               poll_s: float = 1.0, group: str | None = None) -> dict:
     """Until the head pod runs and is ready: the pod. ClusterError after `timeout_s` (saying why it
-    waits), or as soon as `group`'s pods show the TPU webhook missing (`check_webhook`)."""
+    waits), or as soon as `group`'s pods show the TPU webhook missing (`check_webhook`), or the cluster
+    autoscaler says no node could ever take them (`check_autoscaler`)."""
     end = time.monotonic() + timeout_s
     said = False
+    words: dict[str, str] = {}
     while True:
         every = [p for p in kube.list("Pod", selector(name)) if not _deleting(p)]
-        if group is not None:
+        if group is not None:  # what the group's pods show already ends the wait for the head
             check_webhook(every, group)
+            for sl, word in sorted(check_autoscaler(kube, every, group).items()):
+                if words.get(sl) != word.message:  # GKE making TPU nodes while the head starts: said as it goes
+                    say(f"{sl}: {word.short()}")
+                    words[sl] = word.message
         pods = [p for p in every if (p["metadata"].get("labels") or {}).get(NODE_TYPE) == "head"]
         if pods and _ready(pods[0]):
             return pods[0]
@@ -283,5 +400,6 @@ def check_name(name: str) -> None:
                              "use lower-case letters, digits and dashes, a letter first, at most 53")
 
 
-__all__ = ["SliceProgress", "check_name", "create_all", "delete_all", "head_pod", "manifest", "replica_whole",
-           "selector", "slice_loss", "slice_progress", "slices_from_pods", "wait_pods"]
+__all__ = ["AutoscalerWord", "SliceProgress", "autoscaler_words", "check_autoscaler", "check_name", "create_all",
+           "delete_all", "head_pod", "manifest", "replica_whole", "selector", "slice_loss", "slice_progress",
+           "slices_from_pods", "wait_pods"]

@@ -65,6 +65,7 @@ class UpRequest:
     head_memory: str = "8Gi"
     timeout_s: float = DEFAULT_TIMEOUT_S
     spare_slices: int = 0
+    autoscaler: bool = False  # the node pools come from GKE's cluster autoscaler: their nodes need not be there
 
 
 def request_of(up: UpRequest, namespace: str, cluster_id: str) -> manifest.GkeClusterRequest:
@@ -122,7 +123,7 @@ def check_up(request: UpRequest) -> Checked:
         raise ClusterError(f"a RayCluster named {request.name} is in namespace {kube.namespace} and tpulaunch did not"
                            " make it", f"choose another --name, or adopt it with `tpulaunch cluster up --gke --join"
                            f" {request.name}`")
-    return Checked(request, kube, existing, _check_pools(_pools(kube), shape_req, request.spot))
+    return Checked(request, kube, existing, _check_pools(_pools(kube), shape_req, request.spot, request.autoscaler))
 
 
 def up(checked: Checked, say: Say) -> ClusterInfo:
@@ -135,8 +136,11 @@ def up(checked: Checked, say: Say) -> ClusterInfo:
     key = token_key(request.target, ns, request.name)
     token_path, token, _created = tokens.ensure_token(key)
     req = request_of(request, ns, tokens.cluster_id_of(token))
+    shown = ", ".join(p.pool for p in checked.pools)
+    if len(checked.pools) < req.replicas:  # --autoscaler: the rest are GKE's to make
+        shown = (shown + "; " if shown else "") + "the rest from GKE's cluster autoscaler"
     say(f"node pools for {req.num_slices} x {req.shape.topology.accelerator_type} ({req.shape.topology.topology}):"
-        f" {', '.join(p.pool for p in checked.pools)}")
+        f" {shown}")
     objs = manifest.objects(req, token)
     names = tuple(f"{o['kind']}/{o['metadata']['name']}" for o in objs)
     spec = GkeSpec(request.name, ns, request.target.context, request.target.kubeconfig, True, manifest.GROUP, names)
@@ -184,12 +188,14 @@ def _pools(kube: kube_mod.Kube) -> list:
     return discover_gke.list_pools(kube)
 
 
-def _check_pools(pools: list, req: manifest.GkeClusterRequest, spot: bool) -> list:
-    """The node pools the slices can land on; DiscoveryError when there are not enough (naming what is there)."""
+def _check_pools(pools: list, req: manifest.GkeClusterRequest, spot: bool, autoscaler: bool = False) -> list:
+    """The node pools the slices can land on; DiscoveryError when there are not enough (naming what is
+    there), unless the cluster autoscaler is to make them (`--autoscaler`: a pool scaled to zero, or
+    node auto-provisioning, has no nodes to see; `kuberay.wait_pods` reads its answer instead)."""
     from tpulaunch.discover import gke as discover_gke
 
     fit = discover_gke.fitting(pools, req.shape, spot)
-    if len(fit) >= req.replicas:
+    if len(fit) >= req.replicas or autoscaler:
         return fit
     topo = req.shape.topology
     want = (f"{req.replicas} node pool(s) of {topo.generation.name} {topo.topology} with {req.shape.chips_per_vm} chips"
@@ -202,7 +208,8 @@ def _check_pools(pools: list, req: manifest.GkeClusterRequest, spot: bool) -> li
                          "create them (gcloud container node-pools create ... --machine-type"
                          f" {req.shape.machine_type} --tpu-topology {topo.topology}"
                          f" --num-nodes {req.shape.hosts}), or ask for a shape that is there"
-                         " (`tpulaunch slice list --gke`)")
+                         " (`tpulaunch slice list --gke`); pools that autoscale from zero, or node"
+                         " auto-provisioning: add --autoscaler")
 
 
 def _progress_line(progress: list[kuberay.SliceProgress], head_ready: bool) -> str:

@@ -12,7 +12,8 @@ counts the chips from KubeRay's `--resources '{"TPU": n}'`, never from /dev/acce
 What only GKE does is done here the way GKE does it: `preempt(node)` shuts down every node of that
 node's pool (a multi-host slice is one unit; its pods end Failed with the kubelet's
 `DisruptionTarget`), deletes the nodes, and after `comeback_s` makes the pool again under new node
-names; `set_maintenance(pool, epoch)` puts `cloud.google.com/scheduled-maintenance-time` on its
+names; a pool that autoscales from zero (`NodePool(autoscaled=True)`) has no nodes until GKE's
+cluster autoscaler (`autoscaler`) makes them for a pod that asks; `set_maintenance(pool, epoch)` puts `cloud.google.com/scheduled-maintenance-time` on its
 nodes. `python -m tests.fakes.gke` serves one from the command line.
 """
 
@@ -46,6 +47,7 @@ class NodePool:
     maintenance: int | None = None  # cloud.google.com/scheduled-maintenance-time (epoch)
     cpu: str = "8"
     memory: str = "32Gi"
+    autoscaled: bool = False  # autoscaling from zero: no nodes until the cluster autoscaler makes them (autoscaler.py)
 
     @property
     def count(self) -> int:
@@ -160,9 +162,16 @@ class FakeGke:
         self.kuberay = KubeRay(self.store)
         self._pool_nodes: dict[str, list[str]] = {}
         for pool in self.pools:
-            self._make_nodes(pool)
+            if not pool.autoscaled:
+                self._make_nodes(pool)
         self.kubelet.start()
         self.kuberay.start()
+        self.autoscaler = None
+        if any(p.autoscaled for p in self.pools):  # GKE runs it when a node pool has autoscaling on
+            from .autoscaler import ClusterAutoscaler
+
+            self.autoscaler = ClusterAutoscaler(self.store, self.pools, cluster=self.cluster, address=self.net.gateway,
+                                                make_nodes=self._make_nodes).start()
         self._threads: list[threading.Thread] = []
         return self
 
@@ -173,7 +182,8 @@ class FakeGke:
         self.stop()
 
     def stop(self) -> None:
-        for stopper in (getattr(self, "kuberay", None), getattr(self, "kubelet", None), getattr(self, "server", None)):
+        for stopper in (getattr(self, "autoscaler", None), getattr(self, "kuberay", None), getattr(self, "kubelet", None),
+                        getattr(self, "server", None)):
             if stopper is not None:
                 try:
                     stopper.stop()
@@ -242,11 +252,15 @@ class FakeGke:
             t.join()
         for n in names:
             self.store.delete("nodes", "", n)
+        if self.autoscaler is not None and pool.autoscaled:  # its nodes are coming: not the autoscaler's to make
+            self.autoscaler.growing.setdefault(pool.name, [])
 
         def comeback() -> None:
             time.sleep(self.comeback_s)
             if getattr(self, "net", None) is not None and not self.kubelet._stop.is_set():
                 self._make_nodes(pool)
+            if self.autoscaler is not None:
+                self.autoscaler.growing.pop(pool.name, None)
 
         t = threading.Thread(target=comeback, name=f"fake-gke-comeback-{pool_name}", daemon=True)
         t.start()
@@ -261,4 +275,4 @@ class FakeGke:
         return self.store.list("pods", None, selector)[0]
 
     def errors(self) -> list[str]:
-        return [*self.kubelet.errors, *self.kuberay.errors]
+        return [*self.kubelet.errors, *self.kuberay.errors, *(self.autoscaler.errors if self.autoscaler else [])]
