@@ -354,6 +354,44 @@ def test_pools_the_autoscaler_makes_pass_the_fit_check_and_its_no_ends_the_bring
     assert not scaler.errors, scaler.errors
 
 
+def test_a_slice_that_does_not_come_back_says_what_gkes_autoscaler_said_of_it(api):
+    """A preempted slice's replica whose pods stay unscheduled past the wait: the recovery's line says
+    why, in the autoscaler's words (a stockout's backoff here), read as the head's supervisor reads it."""
+    from tpulaunch.cluster.record import ClusterInfo, GkeSpec
+    from tpulaunch.providers.gke import GkeProvider
+    from tpulaunch.run.recovery.recreate import RejoinFailed
+
+    _server, store, kubeconfig, _home = api
+    rc = json.loads(GOLDEN.read_text())["v5p-2x2x2-x2-spot"]
+    rc["metadata"] = {"name": "back", "namespace": "default"}
+    store.create("rayclusters", rc)
+    names = []
+    for host in (0, 1):  # the replica KubeRay made again, its pods waiting for nodes
+        pod = store.create("pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": f"back-tpu-worker-{host}", "namespace": "default",
+            "labels": {"ray.io/cluster": "back", "ray.io/group": "tpu", "ray.io/node-type": "worker",
+                       "ray.io/worker-group-replica-index": "1", "ray.io/replica-host-index": str(host)}},
+            "spec": {"containers": [{"name": "ray-worker", "image": "i"}]}})
+        names.append(pod["metadata"]["name"])
+    store.create("events", {
+        "apiVersion": "v1", "kind": "Event", "metadata": {"name": "back-tpu-worker-0.1", "namespace": "default"},
+        "involvedObject": {"kind": "Pod", "namespace": "default", "name": names[0]},
+        "reason": "NotTriggerScaleUp", "message": "pod didn't trigger scale-up: 1 in backoff after failed scale-up",
+        "type": "Normal", "source": {"component": "cluster-autoscaler"}, "lastTimestamp": "2026-12-07T10:00:00Z"})
+    provider = GkeProvider(ClusterInfo(address="back-head-svc.default.svc.cluster.local:6379", temp_dir=None,
+                                       token_path=None, emulated=False, gke=GkeSpec("back", "default", None, kubeconfig)))
+    try:
+        with pytest.raises(RejoinFailed) as e:
+            provider.rejoin(["tpu-1"], 0.1, lambda _msg: None)
+    finally:
+        for n in names:
+            store.delete("pods", "default", n)
+        store.delete("events", "default", "back-tpu-worker-0.1")
+        store.delete("rayclusters", "default", "back")
+    assert ("tpu-1: 0/2 ready, 2 pending (autoscaler: pod didn't trigger scale-up: 1 in backoff after failed"
+            " scale-up)") in e.value.why, e.value.why
+
+
 def test_kuberays_crd_missing_is_one_line(api, env):
     server = api[0]
     server.set_served("ray.io/v1", False)

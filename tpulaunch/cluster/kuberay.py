@@ -300,19 +300,25 @@ def wait_pods(kube: Kube, name: str, group: str, num_slices: int, hosts: int, ti
         time.sleep(poll_s)
 
 
-def check_autoscaler(kube: Kube, pods: list[dict], group: str) -> dict[str, AutoscalerWord]:
-    """The cluster autoscaler's word on `group`'s unscheduled pods, by slice (from the namespace's Pod
-    events; none when RBAC keeps events from this user: the wait goes on without them), and a
-    DiscoveryError at once when it says no node could ever take a slice's pods."""
+def autoscaler_said(kube: Kube, pods: list[dict], group: str) -> dict[str, AutoscalerWord]:
+    """The cluster autoscaler's word on `group`'s unscheduled pods, by slice: the namespace's Pod events
+    from `source=cluster-autoscaler` (the component its event recorder names); none when RBAC keeps
+    events from this user (what is waited for is waited for without them)."""
     from tpulaunch.kube import KubeForbidden
 
     waiting = _slice_of_pods(pods, group)
     if not waiting:
         return {}
     try:
-        words = autoscaler_words(kube.list("Event", fields="involvedObject.kind=Pod"), waiting)
+        return autoscaler_words(kube.list("Event", fields=f"involvedObject.kind=Pod,source={AUTOSCALER}"), waiting)
     except KubeForbidden:
         return {}
+
+
+def check_autoscaler(kube: Kube, pods: list[dict], group: str) -> dict[str, AutoscalerWord]:
+    """`autoscaler_said`, and a DiscoveryError at once when it says no node could ever take a slice's
+    pods (a bring-up's wait: not one of --timeout for a shape that cannot come)."""
+    words = autoscaler_said(kube, pods, group)
     for name, word in sorted(words.items()):
         if word.never:
             raise DiscoveryError(f"no node can ever take {name}'s pods, says GKE's cluster autoscaler"
@@ -400,6 +406,6 @@ def check_name(name: str) -> None:
                              "use lower-case letters, digits and dashes, a letter first, at most 53")
 
 
-__all__ = ["AutoscalerWord", "SliceProgress", "autoscaler_words", "check_autoscaler", "check_name", "create_all",
-           "delete_all", "head_pod", "manifest", "replica_whole", "selector", "slice_loss", "slice_progress",
-           "slices_from_pods", "wait_pods"]
+__all__ = ["AutoscalerWord", "SliceProgress", "autoscaler_said", "autoscaler_words", "check_autoscaler",
+           "check_name", "create_all", "delete_all", "head_pod", "manifest", "replica_whole", "selector",
+           "slice_loss", "slice_progress", "slices_from_pods", "wait_pods"]

@@ -163,7 +163,8 @@ def token_secret(req: GkeClusterRequest, token: str) -> dict:
 def supervisor_rbac(req: GkeClusterRequest) -> list[dict]:
     """The head's service account and what it may do: read its pods (whose end says a slice was
     preempted) and delete them (`--replace-hung` makes a hung slice again so, from a detached run's
-    supervisor on the head), its RayCluster in this namespace, and the nodes (cluster-wide: a node
+    supervisor on the head), list the events on them (what GKE's autoscaler says of a slice that does
+    not come back), its RayCluster in this namespace, and the nodes (cluster-wide: a node
     going NotReady is the first sign of a spot preemption)."""
     sa = req.service_account
     cluster_wide = f"tpulaunch-{req.namespace}-{req.name}"[:253]
@@ -171,6 +172,7 @@ def supervisor_rbac(req: GkeClusterRequest) -> list[dict]:
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(req, sa)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(req, sa),
          "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "delete"]},
+                   {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},  # the autoscaler's word
                    {"apiGroups": ["ray.io"], "resources": ["rayclusters"],
                     "verbs": ["get", "list", "watch", "patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(req, sa),

@@ -608,8 +608,9 @@ class GkeProvider(Provider):
             pods, nodes = self._facts()
             if all(kuberay.replica_whole(pods, nodes, self.spec.group, r, hosts) for r in wanted):
                 break
-            if time.monotonic() >= end:
-                prog = kuberay.slice_progress(pods, self.spec.group, max(wanted, default=0) + 1, hosts)
+            if time.monotonic() >= end:  # with what GKE's autoscaler said of them (a stockout, a pool at its max)
+                prog = kuberay.slice_progress(pods, self.spec.group, max(wanted, default=0) + 1, hosts,
+                                              kuberay.autoscaler_said(self.kube(), pods, self.spec.group))
                 raise RejoinFailed("not whole again within the wait ("
                                    + "; ".join(prog[r].line() for r in wanted) + ")")
             time.sleep(1.0)

@@ -12,7 +12,8 @@ the pod (source `cluster-autoscaler`):
   ("2 node(s) didn't match Pod's node affinity/selector, 1 max node group size reached", "1 in
   backoff after failed scale-up").
 * `FailedScaleUp` (Warning): "Node scale up in zones <zone> associated with this pod failed: GCE out
-  of resources. Pod is at risk of not being scheduled." (a stockout; the group then backs off).
+  of resources. ..." (a stockout; the group then backs off): not modelled (tpulaunch shows it and
+  waits, a rule its unit tests hold).
 
 A pod that fits a node that is there, or a group already growing, gets no event (the scheduler's,
 or the coming nodes', to place). The recorder's dedup is kept: the same event again bumps `count`
@@ -66,7 +67,7 @@ class ClusterAutoscaler:
 
     def __init__(self, store, pools: list[NodePool], *, cluster: str = "fake", address: str = "10.0.0.1",  # noqa: ANN001
                  make_nodes: Callable[[NodePool], None] | None = None, scan_s: float = 1.0,
-                 scale_up_s: float = SCALE_UP_S, stockout: tuple[str, ...] = ()) -> None:
+                 scale_up_s: float = SCALE_UP_S) -> None:
         self.store = store
         self.pools = [p for p in pools if p.autoscaled]
         self.cluster = cluster
@@ -74,9 +75,7 @@ class ClusterAutoscaler:
         self.make_nodes = make_nodes or self._make_nodes
         self.scan_s = scan_s
         self.scale_up_s = scale_up_s
-        self.stockout = set(stockout)  # pools whose zone is out of TPUs: every scale-up fails
         self.growing: dict[str, list[dict]] = {}  # pool -> the pods its coming nodes are for
-        self.backoff: set[str] = set()
         self.errors: list[str] = []
         self._events: dict[tuple[str, str, str], str] = {}  # (pod uid, reason, message) -> event name
         self._stop = threading.Event()
@@ -136,8 +135,6 @@ class ClusterAutoscaler:
                     reasons["max node group size reached"] += 1
                 elif not fits(pod, template, {}, pods, nodes):
                     reasons[why_not(pod, template)] += 1
-                elif pool.name in self.backoff:
-                    reasons["in backoff after failed scale-up"] += 1
                 else:
                     chosen = pool
                     break
@@ -146,10 +143,6 @@ class ClusterAutoscaler:
             if chosen is None:
                 self._event(pod, "NotTriggerScaleUp", "pod didn't trigger scale-up: "
                             + ", ".join(f"{n} {r}" for r, n in reasons.items()))
-            elif chosen.name in self.stockout:
-                self.backoff.add(chosen.name)
-                self._event(pod, "FailedScaleUp", f"Node scale up in zones {chosen.zone} associated with this pod"
-                            " failed: GCE out of resources. Pod is at risk of not being scheduled.", "Warning")
             else:
                 self._event(pod, "TriggeredScaleUp", "pod triggered scale-up: [{https://www.googleapis.com/compute/v1/"
                             f"projects/fake-project/zones/{chosen.zone}/instanceGroups/gke-{self.cluster}-{chosen.name}"
@@ -185,7 +178,7 @@ class ClusterAutoscaler:
         t.start()
         self._threads.append(t)
 
-    def _event(self, pod: dict, reason: str, message: str, kind: str = "Normal") -> None:
+    def _event(self, pod: dict, reason: str, message: str) -> None:
         m = pod["metadata"]
         key = (m["uid"], reason, message)
         name = self._events.get(key)
@@ -203,6 +196,6 @@ class ClusterAutoscaler:
             "metadata": {"name": name, "namespace": m["namespace"]},
             "involvedObject": {"kind": "Pod", "namespace": m["namespace"], "name": m["name"], "uid": m["uid"],
                                "apiVersion": "v1"},
-            "reason": reason, "message": message, "type": kind, "source": {"component": "cluster-autoscaler"},
+            "reason": reason, "message": message, "type": "Normal", "source": {"component": "cluster-autoscaler"},
             "firstTimestamp": now, "lastTimestamp": now, "count": 1, "reportingComponent": "cluster-autoscaler",
         })
