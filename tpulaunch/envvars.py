@@ -61,6 +61,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TPULAUNCH_CONNECT_TIMEOUT", YOU_DRIVER,
            "Default ``15``. Seconds to reach a Ray cluster (``ray.init``); past it, exit 5. A value that is"
            " not a number of seconds is exit 2."),
+    EnvVar("TPULAUNCH_AUTOSCALER_DECLINE_TIMEOUT", YOU_DRIVER,
+           "Default ``120``. ``cluster up --gke --autoscaler`` with no node pool of the shape in sight: seconds"
+           " the cluster autoscaler's word that no node could ever take a slice's pods must stand (no scale-up"
+           " meanwhile) before the bring-up ends, exit 3, instead of waiting out ``--timeout``."),
     EnvVar("TPULAUNCH_HOME", YOU_DRIVER,
            "Default ``~/.cache/tpulaunch``. Where tpulaunch keeps cluster records (``cluster.json``), tokens,"
            " the driver's log of Ray's native output and ``failed-starts/``. A parallel CI job gets its own"

@@ -318,7 +318,8 @@ def test_pools_the_autoscaler_makes_pass_the_fit_check_and_its_no_ends_the_bring
     """A cluster whose only TPU pool autoscales from zero (no nodes until a pod asks), of another shape
     than asked: without --autoscaler the fit check refuses and says --autoscaler is there; with it,
     the bring-up goes on until GKE's cluster autoscaler answers the TPU pods, and its "no node could
-    ever take them" ends it at once (not at --timeout), quoting it, with what it made deleted."""
+    ever take them", once it has stood (TPULAUNCH_AUTOSCALER_DECLINE_TIMEOUT, 1 s here), ends it (not
+    --timeout), quoting it, with what it made deleted."""
     from fakes.gke import FakeGke
     from fakes.gke.autoscaler import ClusterAutoscaler
 
@@ -331,7 +332,7 @@ def test_pools_the_autoscaler_makes_pass_the_fit_check_and_its_no_ends_the_bring
     server.start()
     env = cli_env(tmp_path / "home", KUBECONFIG=str(server.kubeconfig(tmp_path / "kubeconfig", user="admin",
                                                                         token=TOKEN)),
-                  TPULAUNCH_HOME=str(tmp_path / "state"))
+                  TPULAUNCH_HOME=str(tmp_path / "state"), TPULAUNCH_AUTOSCALER_DECLINE_TIMEOUT="1")
     operator = fake_kuberay.KubeRay(store)
     operator.start()
     scaler = ClusterAutoscaler(store, pools, scan_s=0.2).start()
@@ -347,10 +348,54 @@ def test_pools_the_autoscaler_makes_pass_the_fit_check_and_its_no_ends_the_bring
     assert proc.returncode == ExitCode.DISCOVERY and "Traceback" not in proc.stderr, proc.stderr
     assert "the rest from GKE's cluster autoscaler" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: no node can ever take tpu-0's pods, says GKE's cluster autoscaler (auto-tpu-"), last
+    assert last.startswith("error: no node can ever take tpu-0's pods, says GKE's cluster autoscaler, for 1 s"
+                           " (auto-tpu-"), last
     assert "pod didn't trigger scale-up: 1 node(s) didn't match Pod's node affinity/selector" in last, last
     assert "bring-up failed: deleting what it made" in proc.stderr and store.get("rayclusters", "default", "auto") is None
     assert not [n for n in store.list("nodes", None)[0] if "v6e-auto" in n["metadata"]["name"]]  # none made for it
+    assert not scaler.errors, scaler.errors
+
+
+def test_a_busy_pool_of_the_shape_is_waited_for_whatever_the_autoscaler_says_of_its_own_pools(tmp_path):
+    """The TPU pool of the shape is there but held by another job's pods; the only pool that
+    autoscales is a CPU one, so the autoscaler says "1 node(s) didn't match ..." of the TPU pods: it
+    speaks only of its own pools, and a pool in sight may free up. The word is shown; the wait goes
+    on to --timeout (the head never runs here: no kubelet), never a refusal."""
+    from fakes.gke import FakeGke
+    from fakes.gke.autoscaler import ClusterAutoscaler
+
+    store = Store()
+    store.on_create("pods", FakeGke._admit_pod)
+    pools = [NodePool("default-pool", nodes=1), NodePool("cpu-auto", autoscaled=True),
+             tpu_pool("v5p-busy", "tpu-v5p-slice", "2x2x2", spot=True)]
+    for pool in (pools[0], pools[2]):
+        for name in node_names("unit", pool):
+            store.create("nodes", node_object(pool, name, "10.0.0.1"))
+            if pool.accelerator:  # another job's pod on every TPU node, all its chips
+                store.create("pods", {"apiVersion": "v1", "kind": "Pod",
+                                      "metadata": {"name": f"theirs-{name[-4:]}", "namespace": "default"},
+                                      "spec": {"nodeName": name, "containers": [{"name": "c", "image": "x", "resources": {
+                                          "limits": {"google.com/tpu": "4"}, "requests": {"google.com/tpu": "4"}}}]},
+                                      "status": {"phase": "Running"}})
+    server = ApiServer(store, {TOKEN: "admin"})
+    server.start()
+    env = cli_env(tmp_path / "home", KUBECONFIG=str(server.kubeconfig(tmp_path / "kubeconfig", user="admin",
+                                                                        token=TOKEN)),
+                  TPULAUNCH_HOME=str(tmp_path / "state"), TPULAUNCH_AUTOSCALER_DECLINE_TIMEOUT="0.5")
+    operator = fake_kuberay.KubeRay(store)
+    operator.start()
+    scaler = ClusterAutoscaler(store, pools, scan_s=0.2).start()
+    try:
+        proc = invoke("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--spot", "--image", "i",
+                      "--name", "busy", "--autoscaler", "--timeout", "4", env=env)
+    finally:
+        scaler.stop()
+        operator.stop()
+        server.stop()
+    assert proc.returncode == ExitCode.CLUSTER and "Traceback" not in proc.stderr, proc.stderr
+    assert "tpu-0: autoscaler: pod didn't trigger scale-up: 1 node(s) didn't match Pod's node affinity/selector" \
+        in proc.stderr, proc.stderr
+    assert "the head pod of busy was not ready within 4 s" in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert not scaler.errors, scaler.errors
 
 

@@ -254,7 +254,8 @@ def test_the_cluster_autoscalers_last_word_on_a_slices_pods_says_whether_a_node_
     assert words["tpu-0"].reason == "NotTriggerScaleUp" and words["tpu-0"].triggered and not words["tpu-0"].never
     assert words["tpu-1"].never and words["tpu-1"].pod == "c-tpu-1-a"
     # only a decline in which no node group could ever take the pod is final; the rest is capacity to wait for
-    for message, never in [(MISMATCH, True), (FULL, False), (BACKOFF, False), ("pod didn't trigger scale-up:", True),
+    # (no reason at all: the groups node auto-provisioning would make are left out of the message)
+    for message, never in [(MISMATCH, True), (FULL, False), (BACKOFF, False), ("pod didn't trigger scale-up:", False),
                            ("pod didn't trigger scale-up: 2 node(s) didn't match pod anti-affinity rules", False),
                            ("pod didn't trigger scale-up: 1 node(s) had untolerated taint {google.com/tpu: present}",
                             True)]:
@@ -262,8 +263,36 @@ def test_the_cluster_autoscalers_last_word_on_a_slices_pods_says_whether_a_node_
         assert word.never is never, message
     up = kuberay.autoscaler_words([_event("p", "TriggeredScaleUp", TRIGGERED, "t")], {"p": "tpu-0"})["tpu-0"]
     assert not up.never and up.short() == "autoscaler: pod triggered scale-up: gke-c-v5p-b-1a2b3c4d-grp 0->2 (max: 2)"
+    two = TRIGGERED.replace("}]", "} {https://x/instanceGroups/gke-c-v5p-c-grp 0->2 (max: 2)}]")
+    assert kuberay.AutoscalerWord("TriggeredScaleUp", two, "p").short().endswith(
+        "gke-c-v5p-b-1a2b3c4d-grp 0->2 (max: 2); gke-c-v5p-c-grp 0->2 (max: 2)")
+    # times as the API gives them (seconds, or microseconds): the later one is the last word
+    words = kuberay.autoscaler_words([_event("p", "TriggeredScaleUp", TRIGGERED, "2026-12-07T10:00:05.500000Z"),
+                                      _event("p", "NotTriggerScaleUp", FULL, "2026-12-07T10:00:05Z")], {"p": "tpu-0"})
+    assert words["tpu-0"].reason == "TriggeredScaleUp"
     failed = kuberay.autoscaler_words([_event("p", "FailedScaleUp", STOCKOUT, "t")], {"p": "tpu-0"})["tpu-0"]
     assert not failed.never and "GCE out of resources" in failed.short()
+
+
+def test_the_autoscalers_never_ends_a_bring_up_only_once_it_has_stood_with_no_scale_up_meanwhile():
+    from tpulaunch.errors import DiscoveryError
+
+    never = kuberay.AutoscalerWord("NotTriggerScaleUp", MISMATCH, "c-tpu-1-a")
+    full = kuberay.AutoscalerWord("NotTriggerScaleUp", FULL, "c-tpu-1-a")
+    declines = kuberay.Declines(grace_s=120.0)
+    declines.check({"tpu-1": never}, now=1000.0)
+    declines.check({"tpu-1": never}, now=1119.0)  # not yet
+    declines.check({"tpu-1": full}, now=1130.0)  # told something else: the clock starts again
+    declines.check({"tpu-1": never}, now=1140.0)
+    declines.check({}, now=1200.0)  # its pods placed (no word for them)
+    declines.check({"tpu-1": never}, now=1210.0)
+    with pytest.raises(DiscoveryError, match=r"no node can ever take tpu-1's pods, says GKE's cluster autoscaler,"
+                                             r" for 120 s \(c-tpu-1-a: pod didn't trigger scale-up: 3 node"):
+        declines.check({"tpu-0": full, "tpu-1": never}, now=1330.0)
+    # a slice one pod of which had a scale-up is coming: never refused
+    coming = kuberay.AutoscalerWord("NotTriggerScaleUp", MISMATCH, "c-tpu-1-a", triggered=True)
+    declines.check({"tpu-1": coming}, now=2000.0)
+    declines.check({"tpu-1": coming}, now=9000.0)
 
 
 def test_a_slice_waiting_on_the_autoscaler_says_so_in_its_progress_line():

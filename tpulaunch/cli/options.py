@@ -87,4 +87,5 @@ NAMESPACE = typer.Option(None, "--namespace", help="With --gke: the namespace (d
 AUTOSCALER = typer.Option(False, "--autoscaler",
                           help="With --gke: the TPU node pools come from GKE's cluster autoscaler (pools that scale"
                                " from zero, node auto-provisioning): their nodes need not be there yet; the wait shows"
-                               " the autoscaler's answer, and ends at once if it says no node could ever fit.")
+                               " the autoscaler's answer, and ends (exit 3) when none of the shape is in sight and it"
+                               " says for 120 s that no node could ever fit.")

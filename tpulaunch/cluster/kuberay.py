@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tpulaunch.cluster import kuberay_manifest as manifest
@@ -101,23 +101,33 @@ class AutoscalerWord:
 
     @property
     def never(self) -> bool:
-        """A decline saying no node group can ever take the pod (and none scaled up for its slice)."""
+        """A decline saying no autoscaled node group can ever take the pod (and none scaled up for its
+        slice). No reason at all is not one: the groups node auto-provisioning would make are left
+        out of the message (kubernetes/autoscaler counts only groups that exist)."""
         if self.reason != "NotTriggerScaleUp" or self.triggered:
             return False
         reasons = [r.strip() for r in self.message.partition(":")[2].split(",") if r.strip()]
-        return all(any(n in r for n in _NEVER) for r in reasons)  # (none at all: no node group to try)
+        return bool(reasons) and all(any(n in r for n in _NEVER) for r in reasons)
 
     def short(self) -> str:
         """The word for a progress line: the instance groups' URLs by their names."""
         import re
 
-        text = re.sub(r"https?://\S*/", "", self.message).replace("[{", "").replace("}]", "")
+        text = re.sub(r"https?://\S*/", "", self.message).replace("} {", "; ").replace("[{", "").replace("}]", "")
         return f"autoscaler: {text[:200]}"
 
 
-def _event_time(ev: dict) -> str:
-    return str(ev.get("lastTimestamp") or ev.get("eventTime") or ev.get("firstTimestamp")
-               or (ev.get("metadata") or {}).get("creationTimestamp") or "")
+def _event_time(ev: dict) -> tuple[float, int]:
+    """When an event last happened (its times are RFC 3339, seconds or microseconds), then its count."""
+    from datetime import datetime
+
+    raw = str(ev.get("lastTimestamp") or ev.get("eventTime") or ev.get("firstTimestamp")
+              or (ev.get("metadata") or {}).get("creationTimestamp") or "")
+    try:
+        at = datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        at = 0.0
+    return at, int(ev.get("count") or 1)
 
 
 def autoscaler_words(events: list[dict], pods: dict[str, str]) -> dict[str, AutoscalerWord]:
@@ -270,16 +280,20 @@ def delete_all(kube: Kube, objects: list[str] | tuple[str, ...]) -> list[str]:
 
 def wait_pods(kube: Kube, name: str, group: str, num_slices: int, hosts: int, timeout_s: float,
               say: Callable[[list[SliceProgress], bool], None], stopped: Callable[[], bool] = lambda: False,
-              poll_s: float = 1.0) -> list[dict]:
+              poll_s: float = 1.0, declines: Declines | None = None) -> list[dict]:
     """Until the head and every host of every slice run and are ready: the pods. ClusterError when
-    `timeout_s` passes (saying which slices wait, and why their pods do)."""
+    `timeout_s` passes (saying which slices wait, and why their pods do, the cluster autoscaler's word
+    among it); DiscoveryError when its "never" has stood (`declines`)."""
     end = time.monotonic() + timeout_s
     last = None
     while True:
         pods = kube.list("Pod", selector(name))
         check_webhook(pods, group)
         head = [p for p in pods if (p["metadata"].get("labels") or {}).get(NODE_TYPE) == "head" and not _deleting(p)]
-        progress = slice_progress(pods, group, num_slices, hosts, check_autoscaler(kube, pods, group))
+        words = autoscaler_said(kube, pods, group)
+        if declines is not None:
+            declines.check(words, time.monotonic())
+        progress = slice_progress(pods, group, num_slices, hosts, words)
         head_ready = bool(head) and _ready(head[0])
         state = (head_ready, [(s.pods, s.running, s.ready, s.autoscaler) for s in progress])
         if state != last:
@@ -315,17 +329,28 @@ def autoscaler_said(kube: Kube, pods: list[dict], group: str) -> dict[str, Autos
         return {}
 
 
-def check_autoscaler(kube: Kube, pods: list[dict], group: str) -> dict[str, AutoscalerWord]:
-    """`autoscaler_said`, and a DiscoveryError at once when it says no node could ever take a slice's
-    pods (a bring-up's wait: not one of --timeout for a shape that cannot come)."""
-    words = autoscaler_said(kube, pods, group)
-    for name, word in sorted(words.items()):
-        if word.never:
-            raise DiscoveryError(f"no node can ever take {name}'s pods, says GKE's cluster autoscaler"
-                                 f" ({word.pod}: {word.message[:300]})",
-                                 "create a node pool of that shape (or one that autoscales from zero), or ask for a"
-                                 " shape that is there (`tpulaunch slice list --gke`)")
-    return words
+@dataclass
+class Declines:
+    """When a bring-up ends on the cluster autoscaler's word, not at its --timeout. Only where every
+    slice hangs on it (`--autoscaler` with no pool of the shape in sight: a pool that is there may
+    just be busy, and the autoscaler speaks only of pools that autoscale), and only once its "no
+    node could ever take them" has stood `grace_s` with no scale-up for that slice: it posts one
+    event a pod and reason in 5 minutes (its event recorder's spam filter), so a later, different
+    answer may not show before then. Pure: `now` is given."""
+
+    grace_s: float
+    since: dict[str, float] = field(default_factory=dict)  # slice -> when its decline was first seen here
+
+    def check(self, words: dict[str, AutoscalerWord], now: float) -> None:
+        for name in [n for n in self.since if not (n in words and words[n].never)]:
+            del self.since[name]  # scaled up, placed, or told something else: the clock starts again
+        for name, word in sorted(words.items()):
+            if word.never and now - self.since.setdefault(name, now) >= self.grace_s:
+                raise DiscoveryError(
+                    f"no node can ever take {name}'s pods, says GKE's cluster autoscaler, for {self.grace_s:g} s"
+                    f" ({word.pod}: {word.message[:300]})",
+                    "create a node pool of that shape that autoscales (a spot one for --spot), or ask for a"
+                    " shape there is")
 
 
 def unmutated(pods: list[dict], group: str) -> str | None:
@@ -356,21 +381,24 @@ def check_webhook(pods: list[dict], group: str) -> None:
 
 
 def wait_head(kube: Kube, name: str, timeout_s: float, say: Callable[[str], None],
-              poll_s: float = 1.0, group: str | None = None) -> dict:
+              poll_s: float = 1.0, group: str | None = None, declines: Declines | None = None) -> dict:
     """Until the head pod runs and is ready: the pod. ClusterError after `timeout_s` (saying why it
     waits), or as soon as `group`'s pods show the TPU webhook missing (`check_webhook`), or the cluster
-    autoscaler says no node could ever take them (`check_autoscaler`)."""
+    autoscaler's "never" for them has stood (`declines`). What the autoscaler says of them is said."""
     end = time.monotonic() + timeout_s
     said = False
-    words: dict[str, str] = {}
+    shown: dict[str, str] = {}
     while True:
         every = [p for p in kube.list("Pod", selector(name)) if not _deleting(p)]
         if group is not None:  # what the group's pods show already ends the wait for the head
             check_webhook(every, group)
-            for sl, word in sorted(check_autoscaler(kube, every, group).items()):
-                if words.get(sl) != word.message:  # GKE making TPU nodes while the head starts: said as it goes
+            words = autoscaler_said(kube, every, group)
+            if declines is not None:
+                declines.check(words, time.monotonic())
+            for sl, word in sorted(words.items()):
+                if shown.get(sl) != word.message:  # GKE making TPU nodes while the head starts: said as it goes
                     say(f"{sl}: {word.short()}")
-                    words[sl] = word.message
+                    shown[sl] = word.message
         pods = [p for p in every if (p["metadata"].get("labels") or {}).get(NODE_TYPE) == "head"]
         if pods and _ready(pods[0]):
             return pods[0]
@@ -406,6 +434,6 @@ def check_name(name: str) -> None:
                              "use lower-case letters, digits and dashes, a letter first, at most 53")
 
 
-__all__ = ["AutoscalerWord", "SliceProgress", "autoscaler_said", "autoscaler_words", "check_autoscaler",
+__all__ = ["AutoscalerWord", "Declines", "SliceProgress", "autoscaler_said", "autoscaler_words",
            "check_name", "create_all", "delete_all", "head_pod", "manifest", "replica_whole", "selector",
            "slice_loss", "slice_progress", "slices_from_pods", "wait_pods"]

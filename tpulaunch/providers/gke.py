@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tpulaunch import kube as kube_mod
+from tpulaunch import settings
 from tpulaunch.cluster import kuberay, tokens
 from tpulaunch.cluster import kuberay_manifest as manifest
 from tpulaunch.cluster.jobs import Unreachable
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from tpulaunch.cluster.jobs import JobApi
 
 DEFAULT_TIMEOUT_S = 900.0
+# How long the cluster autoscaler's "no node could ever take them" stands before a bring-up that hangs
+# on it ends (its events come one a pod and reason in 5 minutes; node auto-provisioning speaks late).
+DECLINE_ENV, DECLINE_S = "TPULAUNCH_AUTOSCALER_DECLINE_TIMEOUT", 120.0
 # How long a lost host's slice may take to show its loss in the API (the kubelet's shutdown: GKE gives
 # spot pods 15 s of a 30 s notice, up to 120 s when extended) before it is taken for a host lost alone.
 SETTLE_S = 45.0
@@ -133,6 +137,9 @@ def up(checked: Checked, say: Say) -> ClusterInfo:
     `cluster down` clears."""
     request, kube, existing = checked.request, checked.kube, checked.existing
     ns = kube.namespace
+    # every slice hangs on GKE's autoscaler: its "never", once it has stood, ends the wait (kuberay.Declines)
+    declines = kuberay.Declines(settings.seconds(DECLINE_ENV, DECLINE_S)) \
+        if request.autoscaler and not checked.pools else None
     key = token_key(request.target, ns, request.name)
     token_path, token, _created = tokens.ensure_token(key)
     req = request_of(request, ns, tokens.cluster_id_of(token))
@@ -156,12 +163,12 @@ def up(checked: Checked, say: Say) -> ClusterInfo:
             say(f"RayCluster {request.name} is up already (made by tpulaunch): waiting for it")
         shape = req.shape
         provider = GkeProvider(info)
-        kuberay.wait_head(kube, request.name, request.timeout_s, say, group=manifest.GROUP)
+        kuberay.wait_head(kube, request.name, request.timeout_s, say, group=manifest.GROUP, declines=declines)
         api = provider.job_api(kube)
         api.wait_answering(request.timeout_s)
         check_image(api, req.image, say)  # as soon as the head runs: a wrong image fails before any TPU wait
         pods = kuberay.wait_pods(kube, request.name, manifest.GROUP, req.replicas, shape.hosts, request.timeout_s,
-                                 lambda prog, head: say(_progress_line(prog, head)))
+                                 lambda prog, head: say(_progress_line(prog, head)), declines=declines)
         wait_ray(api, [f"{manifest.GROUP}-{r}" for r in range(req.replicas)], shape.hosts, request.timeout_s, say)
         info.slices = kuberay.slices_from_pods(pods, manifest.GROUP, shape.topology.accelerator_type,
                                                shape.topology.topology, req.replicas)

@@ -16,9 +16,12 @@ the pod (source `cluster-autoscaler`):
   waits, a rule its unit tests hold).
 
 A pod that fits a node that is there, or a group already growing, gets no event (the scheduler's,
-or the coming nodes', to place). The recorder's dedup is kept: the same event again bumps `count`
-and `lastTimestamp`. Pools with autoscaling are `NodePool(autoscaled=True)`: no nodes until asked,
-at most their slice's hosts; the pods a growing pool's nodes are for are counted (one TPU pod a
+or the coming nodes', to place); a loop that scaled up posts no declines. Its event recorder's spam
+filter is kept: one event a pod and reason in 5 minutes, whatever the message (so a first answer
+stands that long); the same event after that bumps `count` and `lastTimestamp`. Node
+auto-provisioning is not modelled (the real one leaves the groups it would make out of a decline's
+reasons). Pools with autoscaling are `NodePool(autoscaled=True)`: no nodes until asked, at most
+their slice's hosts; the pods a growing pool's nodes are for are counted (one TPU pod a
 host, another slice's pods kept off by their anti-affinity) as the real one bin-packs them.
 Scale-down (10 minutes unneeded) is not modelled: no test lives that long.
 """
@@ -36,6 +39,7 @@ from .kubelet import _matches, _terminal, fits
 from .tpu import TPU
 
 SCALE_UP_S = 2.0  # from the event to the nodes Ready (minutes on GKE; the order of things is what matters here)
+SPAM_S = 300.0  # its recorder's spam filter: one event a pod and reason in 5 minutes (utils/kubernetes/factory.go)
 
 
 def _now() -> str:
@@ -77,7 +81,7 @@ class ClusterAutoscaler:
         self.scale_up_s = scale_up_s
         self.growing: dict[str, list[dict]] = {}  # pool -> the pods its coming nodes are for
         self.errors: list[str] = []
-        self._events: dict[tuple[str, str, str], str] = {}  # (pod uid, reason, message) -> event name
+        self._events: dict[tuple[str, str], tuple[str, str, float]] = {}  # (pod uid, reason) -> its last post
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -117,6 +121,8 @@ class ClusterAutoscaler:
         for p in pods:
             if p["spec"].get("nodeName") and not _terminal(p):
                 pods_on.setdefault(p["spec"]["nodeName"], []).append(p)
+        declined: list[tuple[dict, str]] = []
+        scaled = False
         for pod in pods:
             if pod["spec"].get("nodeName") or _terminal(pod) or pod["metadata"].get("deletionTimestamp"):
                 continue
@@ -141,13 +147,17 @@ class ClusterAutoscaler:
             if chosen == "coming":
                 continue
             if chosen is None:
-                self._event(pod, "NotTriggerScaleUp", "pod didn't trigger scale-up: "
-                            + ", ".join(f"{n} {r}" for r, n in reasons.items()))
+                why = ", ".join(f"{n} {r}" for r, n in reasons.items())
+                declined.append((pod, f"pod didn't trigger scale-up: {why}"))
             else:
+                scaled = True
                 self._event(pod, "TriggeredScaleUp", "pod triggered scale-up: [{https://www.googleapis.com/compute/v1/"
                             f"projects/fake-project/zones/{chosen.zone}/instanceGroups/gke-{self.cluster}-{chosen.name}"
                             f"-grp {self._present(chosen, nodes)}->{chosen.count} (max: {chosen.count})}}]")
                 self._grow(chosen, pod)
+        if not scaled:  # a loop that scaled up posts no declines (the pods wait for its next look)
+            for pod, message in declined:
+                self._event(pod, "NotTriggerScaleUp", message)
 
     def _claim(self, pool: NodePool, pod: dict) -> bool:
         """Whether `pod` goes on the nodes `pool` is growing (room left, and none of the pods they are
@@ -179,17 +189,21 @@ class ClusterAutoscaler:
         self._threads.append(t)
 
     def _event(self, pod: dict, reason: str, message: str) -> None:
+        """Post it as its event recorder does: one a pod and reason in `SPAM_S` (the spam filter's key
+        leaves the message out: what comes meanwhile is dropped); the same message again after that
+        bumps the event's count, another is a new event."""
         m = pod["metadata"]
-        key = (m["uid"], reason, message)
-        name = self._events.get(key)
-        if name is not None:
-            ev = self.store.get("events", m["namespace"], name)
-            if ev is not None:
-                self.store.patch("events", m["namespace"], name, {"count": ev.get("count", 1) + 1,
-                                                                  "lastTimestamp": _now()})
-                return
+        last = self._events.get((m["uid"], reason))
+        if last is not None and time.monotonic() - last[2] < SPAM_S:
+            return
+        ev = self.store.get("events", m["namespace"], last[0]) if last is not None and last[1] == message else None
+        if last is not None and ev is not None:
+            self.store.patch("events", m["namespace"], last[0], {"count": ev.get("count", 1) + 1,
+                                                                 "lastTimestamp": _now()})
+            self._events[(m["uid"], reason)] = (last[0], message, time.monotonic())
+            return
         name = f"{m['name']}.{secrets.token_hex(8)}"
-        self._events[key] = name
+        self._events[(m["uid"], reason)] = (name, message, time.monotonic())
         now = _now()
         self.store.create("events", {
             "apiVersion": "v1", "kind": "Event",
