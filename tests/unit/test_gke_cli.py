@@ -387,7 +387,7 @@ def test_a_busy_pool_of_the_shape_is_waited_for_whatever_the_autoscaler_says_of_
     scaler = ClusterAutoscaler(store, pools, scan_s=0.2).start()
     try:
         proc = invoke("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--spot", "--image", "i",
-                      "--name", "busy", "--autoscaler", "--timeout", "4", env=env)
+                      "--name", "busy", "--autoscaler", "--timeout", "6", env=env)
     finally:
         scaler.stop()
         operator.stop()
@@ -395,7 +395,7 @@ def test_a_busy_pool_of_the_shape_is_waited_for_whatever_the_autoscaler_says_of_
     assert proc.returncode == ExitCode.CLUSTER and "Traceback" not in proc.stderr, proc.stderr
     assert "tpu-0: autoscaler: pod didn't trigger scale-up: 1 node(s) didn't match Pod's node affinity/selector" \
         in proc.stderr, proc.stderr
-    assert "the head pod of busy was not ready within 4 s" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert "the head pod of busy was not ready within 6 s" in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert not scaler.errors, scaler.errors
 
 
