@@ -11,6 +11,7 @@ KubeRay TPU webhook's validation, and its TPU pods (as KubeRay builds them) by t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -314,37 +315,54 @@ def test_a_port_forward_rbac_refuses_is_one_line_before_any_connection_waits_on_
                               " tpulaunch in a pod of the cluster"), e.value.line()
 
 
+@contextlib.contextmanager
+def autoscaled(tmp_path, pools, decline_s: str, theirs: bool = False):
+    """An API of its own with `pools` (the autoscaled ones without nodes), KubeRay with GKE's admission
+    and the TPU webhook, and GKE's cluster autoscaler; no kubelet. `theirs`: another job's pod holds
+    every TPU node's chips. Yields (store, CLI env, the autoscaler)."""
+    from fakes.gke import FakeGke
+    from fakes.gke.autoscaler import ClusterAutoscaler
+
+    store = Store()
+    store.on_create("pods", FakeGke._admit_pod)
+    for pool in pools:
+        for name in [] if pool.autoscaled else node_names("unit", pool):
+            store.create("nodes", node_object(pool, name, "10.0.0.1"))
+            if theirs and pool.accelerator:
+                limits = {"google.com/tpu": str(pool.chips_per_node)}
+                store.create("pods", {"apiVersion": "v1", "kind": "Pod",
+                                      "metadata": {"name": f"theirs-{name[-4:]}", "namespace": "default"},
+                                      "spec": {"nodeName": name, "containers": [
+                                          {"name": "c", "image": "x", "resources": {"limits": limits, "requests": limits}}]},
+                                      "status": {"phase": "Running"}})
+    server = ApiServer(store, {TOKEN: "admin"})
+    server.start()
+    kubeconfig = str(server.kubeconfig(tmp_path / "kubeconfig", user="admin", token=TOKEN))
+    env = cli_env(tmp_path / "home", KUBECONFIG=kubeconfig, TPULAUNCH_HOME=str(tmp_path / "state"),
+                  TPULAUNCH_AUTOSCALER_DECLINE_TIMEOUT=decline_s)
+    operator = fake_kuberay.KubeRay(store)
+    operator.start()
+    scaler = ClusterAutoscaler(store, pools, scan_s=0.2).start()
+    try:
+        yield store, env, scaler
+    finally:
+        scaler.stop()
+        operator.stop()
+        server.stop()
+
+
 def test_pools_the_autoscaler_makes_pass_the_fit_check_and_its_no_ends_the_bring_up_at_once(tmp_path):
     """A cluster whose only TPU pool autoscales from zero (no nodes until a pod asks), of another shape
     than asked: without --autoscaler the fit check refuses and says --autoscaler is there; with it,
     the bring-up goes on until GKE's cluster autoscaler answers the TPU pods, and its "no node could
     ever take them", once it has stood (TPULAUNCH_AUTOSCALER_DECLINE_TIMEOUT, 1 s here), ends it (not
     --timeout), quoting it, with what it made deleted."""
-    from fakes.gke import FakeGke
-    from fakes.gke.autoscaler import ClusterAutoscaler
-
-    store = Store()
-    store.on_create("pods", FakeGke._admit_pod)  # GKE's admission and the TPU webhook
     pools = [NodePool("default-pool", nodes=1), tpu_pool("v6e-auto", "tpu-v6e-slice", "4x4", autoscaled=True)]
-    for name in node_names("unit", pools[0]):
-        store.create("nodes", node_object(pools[0], name, "10.0.0.1"))
-    server = ApiServer(store, {TOKEN: "admin"})
-    server.start()
-    env = cli_env(tmp_path / "home", KUBECONFIG=str(server.kubeconfig(tmp_path / "kubeconfig", user="admin",
-                                                                        token=TOKEN)),
-                  TPULAUNCH_HOME=str(tmp_path / "state"), TPULAUNCH_AUTOSCALER_DECLINE_TIMEOUT="1")
-    operator = fake_kuberay.KubeRay(store)
-    operator.start()
-    scaler = ClusterAutoscaler(store, pools, scan_s=0.2).start()
     up = ("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--image", "i", "--name", "auto")
-    try:
+    with autoscaled(tmp_path, pools, "1") as (store, env, scaler):
         line = one_line(invoke(*up, env=env), ExitCode.DISCOVERY)
         assert "(the cluster has no TPU node pools)" in line and "add --autoscaler" in line, line
         proc = invoke(*up, "--autoscaler", "--timeout", "300", env=env)
-    finally:
-        scaler.stop()
-        operator.stop()
-        server.stop()
     assert proc.returncode == ExitCode.DISCOVERY and "Traceback" not in proc.stderr, proc.stderr
     assert "the rest from GKE's cluster autoscaler" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
@@ -361,37 +379,11 @@ def test_a_busy_pool_of_the_shape_is_waited_for_whatever_the_autoscaler_says_of_
     autoscales is a CPU one, so the autoscaler says "1 node(s) didn't match ..." of the TPU pods: it
     speaks only of its own pools, and a pool in sight may free up. The word is shown; the wait goes
     on to --timeout (the head never runs here: no kubelet), never a refusal."""
-    from fakes.gke import FakeGke
-    from fakes.gke.autoscaler import ClusterAutoscaler
-
-    store = Store()
-    store.on_create("pods", FakeGke._admit_pod)
     pools = [NodePool("default-pool", nodes=1), NodePool("cpu-auto", autoscaled=True),
              tpu_pool("v5p-busy", "tpu-v5p-slice", "2x2x2", spot=True)]
-    for pool in (pools[0], pools[2]):
-        for name in node_names("unit", pool):
-            store.create("nodes", node_object(pool, name, "10.0.0.1"))
-            if pool.accelerator:  # another job's pod on every TPU node, all its chips
-                store.create("pods", {"apiVersion": "v1", "kind": "Pod",
-                                      "metadata": {"name": f"theirs-{name[-4:]}", "namespace": "default"},
-                                      "spec": {"nodeName": name, "containers": [{"name": "c", "image": "x", "resources": {
-                                          "limits": {"google.com/tpu": "4"}, "requests": {"google.com/tpu": "4"}}}]},
-                                      "status": {"phase": "Running"}})
-    server = ApiServer(store, {TOKEN: "admin"})
-    server.start()
-    env = cli_env(tmp_path / "home", KUBECONFIG=str(server.kubeconfig(tmp_path / "kubeconfig", user="admin",
-                                                                        token=TOKEN)),
-                  TPULAUNCH_HOME=str(tmp_path / "state"), TPULAUNCH_AUTOSCALER_DECLINE_TIMEOUT="0.5")
-    operator = fake_kuberay.KubeRay(store)
-    operator.start()
-    scaler = ClusterAutoscaler(store, pools, scan_s=0.2).start()
-    try:
+    with autoscaled(tmp_path, pools, "0.5", theirs=True) as (_store, env, scaler):
         proc = invoke("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--spot", "--image", "i",
                       "--name", "busy", "--autoscaler", "--timeout", "6", env=env)
-    finally:
-        scaler.stop()
-        operator.stop()
-        server.stop()
     assert proc.returncode == ExitCode.CLUSTER and "Traceback" not in proc.stderr, proc.stderr
     assert "tpu-0: autoscaler: pod didn't trigger scale-up: 1 node(s) didn't match Pod's node affinity/selector" \
         in proc.stderr, proc.stderr
