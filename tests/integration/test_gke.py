@@ -3,11 +3,12 @@ HTTPS, KubeRay's controller and TPU webhook, GKE's TPU device plugin, and kubele
 in a network, PID and mount namespace of its own on this machine. Ray, JAX and torch_xla are real;
 tpulaunch talks to the API with the client it uses in production.
 
-In order, on one fake cluster (2 spot v5p 2x2x2 node pools, one of them autoscaling from zero, and
-others that do not fit): Debian's kubectl reads it; `cluster up --gke --autoscaler` brings Ray up on
-2 slices of 2 hosts, GKE's autoscaler making the second pool's nodes; the JAX and torch_xla
+In order, on one fake cluster (3 spot v5p 2x2x2 node pools, one of them autoscaling from zero, and
+others that do not fit): Debian's kubectl reads it; `cluster up --gke --autoscaler --spare-slices 1`
+brings Ray up on 2 slices of 2 hosts and a spare, GKE's autoscaler making one pool's nodes; the JAX and torch_xla
 recipes train there as on an emulated cluster of that shape; a detached run is followed and
-stopped; a node is preempted mid-run and the run comes back from its checkpoint; an image of another
+stopped; a node is preempted mid-run, the spare takes its slice's place and the run comes back from
+its checkpoint, and the lost slice, made again, is the spare; an image of another
 tpulaunch is refused and nothing of it is left; `cluster down` leaves no object and no process.
 """
 
@@ -42,11 +43,12 @@ POOLS = [
     NodePool("default-pool", nodes=1),
     tpu_pool("v5p-a", "tpu-v5p-slice", "2x2x2", spot=True),
     tpu_pool("v5p-b", "tpu-v5p-slice", "2x2x2", spot=True, autoscaled=True),  # no nodes until GKE's autoscaler makes them
+    tpu_pool("v5p-c", "tpu-v5p-slice", "2x2x2", spot=True),  # the spare slice's
     tpu_pool("v6e-16", "tpu-v6e-slice", "4x4"),  # neither fits the run's shape
     tpu_pool("v5e-8t", "tpu-v5-lite-podslice", "2x4", chips=8),
 ]
 UP = ("cluster", "up", "--gke", "--topology", "2x2x2", "--accelerator", "v5p", "--num-slices", "2", "--spot",
-      "--image", IMAGE, "--name", NAME, "--autoscaler")
+      "--image", IMAGE, "--name", NAME, "--autoscaler", "--spare-slices", "1")
 CKPT_SCRIPT = """\
 import json, os, time
 import tpulaunch
@@ -122,29 +124,30 @@ def test_cluster_up_brings_every_host_of_every_slice_into_ray_and_kubectl_sees_i
     up = cli(gke, *UP, "--json", timeout=600)
     assert up.returncode == 0, up.stderr
     doc = json.loads(up.stdout)
-    assert doc["gke"]["name"] == NAME and doc["gke"]["owned"] is True
+    assert doc["gke"]["name"] == NAME and doc["gke"]["owned"] is True and doc["spares"] == ["tpu-2"]
     assert [(s["name"], s["accelerator_type"], len(s["workers"])) for s in doc["slices"]] == [
-        ("tpu-0", "v5p-16", 2), ("tpu-1", "v5p-16", 2)]
-    assert "in Ray: tpu-0: 2/2  tpu-1: 2/2" in up.stderr and "checking the image's tpulaunch" in up.stderr
-    # one slice on v5p-a, there from the start; the other on v5p-b, which GKE's autoscaler made for its pods
-    assert "v5p-a; the rest from GKE's cluster autoscaler" in up.stderr, up.stderr
-    assert re.search(r"tpu-[01]: autoscaler: pod triggered scale-up: gke-fake-v5p-b-grp 0->2 \(max: 2\)", up.stderr), \
+        ("tpu-0", "v5p-16", 2), ("tpu-1", "v5p-16", 2), ("tpu-2", "v5p-16", 2)]
+    assert "in Ray: tpu-0: 2/2  tpu-1: 2/2  tpu-2: 2/2" in up.stderr and "checking the image's tpulaunch" in up.stderr
+    # two slices on v5p-a and v5p-c, there from the start; the third on v5p-b, which GKE's autoscaler made
+    assert "v5p-a, v5p-c; the rest from GKE's cluster autoscaler" in up.stderr, up.stderr
+    assert re.search(r"tpu-[012]: autoscaler: pod triggered scale-up: gke-fake-v5p-b-grp 0->2 \(max: 2\)", up.stderr), \
         up.stderr
     st = json.loads(cli(gke, "cluster", "status", "--json").stdout)
-    assert [[h["alive"] for h in s["hosts"]] for s in st["slices"]] == [[True, True], [True, True]]
-    assert st["gke"]["head_ready"] and {s["node_pool"] for s in st["slices"]} == {"v5p-a", "v5p-b"}
+    assert [[h["alive"] for h in s["hosts"]] for s in st["slices"]] == [[True, True]] * 3
+    assert st["gke"]["head_ready"] and {s["node_pool"] for s in st["slices"]} == {"v5p-a", "v5p-b", "v5p-c"}
+    assert st["spares"] == ["tpu-2"] and [s["spare"] for s in st["slices"]] == [False, False, True]
     # Debian's kubectl (1.20) against the fake: the protocol, not a mock of tpulaunch's own calls
     nodes = kubectl(gke, "get", "nodes")
     assert nodes.returncode == 0, nodes.stderr
-    assert sum(1 for line in nodes.stdout.splitlines()[1:] if "Ready" in line) == 1 + 2 + 2 + 4 + 1
+    assert sum(1 for line in nodes.stdout.splitlines()[1:] if "Ready" in line) == 1 + 2 + 2 + 2 + 4 + 1
     rcs = kubectl(gke, "get", "rayclusters", "-o", "json")
     assert rcs.returncode == 0, rcs.stderr
     rc = json.loads(rcs.stdout)["items"]
     assert [r["metadata"]["name"] for r in rc] == [NAME] and rc[0]["status"]["state"] == "ready"
-    assert rc[0]["status"]["readyWorkerReplicas"] == 4
+    assert rc[0]["status"]["readyWorkerReplicas"] == 6
     pods = kubectl(gke, "get", "pods", "-l", f"ray.io/cluster={NAME}")
     assert pods.returncode == 0, pods.stderr
-    assert len([ln for ln in pods.stdout.splitlines()[1:] if "Running" in ln]) == 5, pods.stdout
+    assert len([ln for ln in pods.stdout.splitlines()[1:] if "Running" in ln]) == 7, pods.stdout
 
 
 def _final_losses(text: str) -> dict[int, str]:
@@ -216,7 +219,7 @@ def test_a_detached_run_is_followed_with_logs_and_stopped(gke):
     assert status_doc(gke.env, run_id)["state"] == "stopped"
 
 
-def test_a_preempted_node_takes_its_slice_and_the_run_resumes_from_its_checkpoint(gke):
+def test_a_preempted_node_takes_its_slice_the_spare_steps_in_and_the_lost_one_is_the_spare_after(gke):
     write_scripts(gke.work, {"ckpt.py": CKPT_SCRIPT})
     ckpt = gke.shared / "ckpt"
     sub = cli(gke, "run", "ckpt.py", "--address", "auto", "--framework", "none", "--num-slices", "2", "--detach",
@@ -235,13 +238,22 @@ def test_a_preempted_node_takes_its_slice_and_the_run_resumes_from_its_checkpoin
     st = status_doc(gke.env, run_id)
     a0 = st["attempts"][0]
     assert a0["outcome"] == "preempted" and a0["exit_code"] == ExitCode.HOST_LOST, a0
-    assert [r["slice"] for r in a0["recreated"]] == ["tpu-1"] and a0["recreated"][0]["replica"], a0
+    # the spare replica takes its place at once (no wait for GKE to make the pool again)
+    assert [(r["slice"], r["how"]) for r in a0["replaced"]] == [("tpu-1", "spare tpu-2")], a0
+    assert st["attempts"][1]["slices"] == ["tpu-0", "tpu-2"], st["attempts"][1]
     assert st["attempts"][1]["outcome"] == "ok" and st["exit_code"] == 0
     logs = cli(gke, "logs", run_id).stdout
     resumed = [int(m) for m in re.findall(r"attempt 1 host \d starts at step (\d+)", logs)]
     assert len(resumed) == 4 and min(resumed) >= 4, logs[-3000:]  # from the checkpoint, not from 0
     good = json.loads(cli(gke, "goodput", run_id, "--json").stdout)
     assert good["buckets"].get("recovery", 0) > 0, good
+    end = time.monotonic() + 180
+    while True:  # KubeRay makes tpu-1's replica again once GKE has its pool back: it is the spare now
+        cs = json.loads(cli(gke, "cluster", "status", "--json").stdout)
+        if cs["spares"] == ["tpu-1"] and all(h["alive"] for sl in cs["slices"] for h in sl["hosts"]):
+            break
+        assert time.monotonic() < end, cs
+        time.sleep(1)
 
 
 def test_an_image_of_another_tpulaunch_is_refused_and_nothing_of_it_is_left(gke):
@@ -270,7 +282,7 @@ def test_a_joined_cluster_is_used_and_left_standing(gke):
     join = run_cli("cluster", "up", "--gke", "--join", NAME, "--json", env=other, timeout=120)
     assert join.returncode == 0, join.stderr
     doc = json.loads(join.stdout)
-    assert doc["gke"]["owned"] is False and [s["name"] for s in doc["slices"]] == ["tpu-0", "tpu-1"]
+    assert doc["gke"]["owned"] is False and [s["name"] for s in doc["slices"]] == ["tpu-0", "tpu-1", "tpu-2"]
     st = run_cli("cluster", "status", "--json", env=other, timeout=120)  # with the token its Secret holds
     assert st.returncode == 0, st.stderr
     assert all(h["alive"] for s in json.loads(st.stdout)["slices"] for h in s["hosts"])

@@ -175,6 +175,13 @@ def test_dry_run_manifests_of_every_gke_generation_are_the_golden_ones_and_kuber
     assert ironwood["cloud.google.com/placement-policy-name"] == "wp-ironwood"
 
 
+def test_spare_slices_are_more_replicas_of_the_group_named_in_the_clusters_annotation(env):
+    rc = _dry_run(env, ["--topology", "2x2x2", "--accelerator", "v5p", "--num-slices", "2", "--spare-slices", "1"])
+    g = rc["spec"]["workerGroupSpecs"][0]
+    assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == 3 and crd.validate(rc) == []
+    assert json.loads(rc["metadata"]["annotations"]["tpulaunch.dev/spares"]) == ["tpu-2"]  # the last K replicas
+
+
 def test_a_typo_in_a_manifest_is_what_the_crd_check_catches():
     rc = json.loads(GOLDEN.read_text())["v5p-4x4x4"]
     rc["spec"]["workerGroupSpecs"][0]["numOfHost"] = rc["spec"]["workerGroupSpecs"][0].pop("numOfHosts")
@@ -392,9 +399,12 @@ def test_a_busy_pool_of_the_shape_is_waited_for_whatever_the_autoscaler_says_of_
 
 
 def test_a_slice_that_does_not_come_back_says_what_gkes_autoscaler_said_of_it(api):
-    """A preempted slice's replica whose pods stay unscheduled past the wait: the recovery's line says
-    why, in the autoscaler's words (a stockout's backoff here), read as the head's supervisor reads it."""
+    """A preempted slice's replica whose pods stay unscheduled past the wait: asked whether it was
+    preempted (once, when a spare stepped in), KubeRay's new pods say so; the recovery's line says why
+    it is not back, in the autoscaler's words (a stockout's backoff here), read as the head's
+    supervisor reads it."""
     from tpulaunch.cluster.record import ClusterInfo, GkeSpec
+    from tpulaunch.plan.slicespec import SliceSpec, WorkerEndpoint
     from tpulaunch.providers.gke import GkeProvider
     from tpulaunch.run.recovery.recreate import RejoinFailed
 
@@ -415,9 +425,15 @@ def test_a_slice_that_does_not_come_back_says_what_gkes_autoscaler_said_of_it(ap
         "involvedObject": {"kind": "Pod", "namespace": "default", "name": names[0]},
         "reason": "NotTriggerScaleUp", "message": "pod didn't trigger scale-up: 1 in backoff after failed scale-up",
         "type": "Normal", "source": {"component": "cluster-autoscaler"}, "lastTimestamp": "2026-12-07T10:00:00Z"})
+    was = SliceSpec(name="tpu-1", accelerator_type="v5p-16", topology="2x2x2", source="gke", slice_index=1,
+                    workers=(WorkerEndpoint(0, "10.1.1.2"), WorkerEndpoint(1, "10.1.1.3")))  # where the run had it
     provider = GkeProvider(ClusterInfo(address="back-head-svc.default.svc.cluster.local:6379", temp_dir=None,
-                                       token_path=None, emulated=False, gke=GkeSpec("back", "default", None, kubeconfig)))
+                                       token_path=None, emulated=False, gke=GkeSpec("back", "default", None, kubeconfig),
+                                       slices=[was]))
     try:
+        # asked once when a spare took its place: its old pods are gone already, and new ones wait for nodes
+        assert provider.preempted(["tpu-1"]) == {"tpu-1": "KubeRay made its replica again (new pods at new addresses):"
+                                                           " the old ones went with their nodes"}
         with pytest.raises(RejoinFailed) as e:
             provider.rejoin(["tpu-1"], 0.1, lambda _msg: None)
     finally:

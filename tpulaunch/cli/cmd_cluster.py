@@ -148,7 +148,7 @@ def up(
         if json_out:
             out.json({"schema": "tpulaunch.cluster/v1", "address": info.address, "emulated": False,
                       "slices": [s.to_dict() for s in info.slices], "token_path": info.token_path,
-                      "gke": gke_spec.to_dict()})
+                      "gke": gke_spec.to_dict(), "spares": list(info.spares)})
         else:
             what = ", ".join(f"{s.name} ({s.accelerator_type}, {len(s.workers)} hosts)" for s in info.slices)
             out.line(f"cluster up: RayCluster {gke_spec.name} in namespace {gke_spec.namespace}: {what}")

@@ -520,12 +520,30 @@ class GkeProvider(Provider):
         return pods, nodes
 
     def preempted(self, slices: list[str]) -> dict[str, str | None]:
+        """Asked once, when a spare has taken a lost slice's place: by then KubeRay may have made the
+        replica again already (new pods, waiting for GKE's pool), which says it as well as the old
+        pods' end would have."""
         pods, nodes = self._facts()
+        now = self._addresses(pods, slices)
         out: dict[str, str | None] = {}
         for s in slices:
             r = self._replica(s)
-            out[s] = kuberay.slice_loss(pods, nodes, self.spec.group, r) if r is not None else None
+            out[s] = (kuberay.slice_loss(pods, nodes, self.spec.group, r) or self._remade(s, now)) \
+                if r is not None else None
         return out
+
+    def _addresses(self, pods: list[dict], slices: list[str]) -> dict[str, list[str]]:
+        """Each of `slices`' pods' addresses now, by slice (none yet: an empty list)."""
+        replicas = max((r for r in (self._replica(s) for s in slices) if r is not None), default=0) + 1
+        return {sp.name: sorted(w.ip for w in sp.workers)
+                for sp in kuberay.slices_from_pods(pods, self.spec.group, "", "", replicas)}
+
+    def _remade(self, name: str, now: dict[str, list[str]]) -> str | None:
+        """Why `name`'s replica is not the one the cluster's record has (KubeRay made it again), or None."""
+        known = next((sorted(w.ip for w in s.workers) for s in self.info.slices if s.name == name), None)
+        if known and now.get(name) != known:
+            return "KubeRay made its replica again (new pods at new addresses): the old ones went with their nodes"
+        return None
 
     def bring_back(self, lost: list[str], deadline_s: float, say: Say) -> tuple[list[Recreation], list[SliceSpec]]:
         """KubeRay makes a lost slice's replica again by itself, once GKE has its node pool back: wait
@@ -535,22 +553,18 @@ class GkeProvider(Provider):
         end = time.monotonic() + deadline_s
         hosts = self._hosts()
         wanted = {s: self._replica(s) for s in lost}
-        known = {s.name: sorted(w.ip for w in s.workers) for s in self.info.slices}  # where the run had them
         why: dict[str, str] = {}
         settle = min(end, time.monotonic() + SETTLE_S)
         while True:
             pods, nodes = self._facts()
-            replicas = max((r for r in wanted.values() if r is not None), default=0) + 1
-            now = {sp.name: sorted(w.ip for w in sp.workers) for sp in
-                   kuberay.slices_from_pods(pods, self.spec.group, "", "", replicas)}
+            now = self._addresses(pods, lost)
             for s, r in wanted.items():
                 if s not in why and r is not None:
                     w = kuberay.slice_loss(pods, nodes, self.spec.group, r)
                     if w or not kuberay.replica_whole(pods, nodes, self.spec.group, r, hosts):
                         why[s] = w or "its pods are not all ready: KubeRay makes its replica whole again"
-                    elif known.get(s) and now.get(s) and known[s] != now[s]:
-                        why[s] = ("KubeRay made its replica again (new pods at new addresses): the old ones went with"
-                                  " their nodes")
+                    elif now.get(s) and (remade := self._remade(s, now)):
+                        why[s] = remade
             if len(why) == len(wanted) or time.monotonic() >= settle:
                 break
             time.sleep(1.0)
