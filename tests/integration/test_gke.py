@@ -249,8 +249,9 @@ def test_a_preempted_node_takes_its_slice_the_spare_steps_in_and_the_lost_one_is
     assert good["buckets"].get("recovery", 0) > 0, good
     end = time.monotonic() + 180
     while True:  # KubeRay makes tpu-1's replica again once GKE has its pool back: it is the spare now
-        cs = json.loads(cli(gke, "cluster", "status", "--json").stdout)
-        if cs["spares"] == ["tpu-1"] and all(h["alive"] for sl in cs["slices"] for h in sl["hosts"]):
+        got = cli(gke, "cluster", "status", "--json")
+        cs = json.loads(got.stdout) if got.returncode == 0 else {"spares": None, "slices": [], "error": got.stderr}
+        if cs["spares"] == ["tpu-1"] and cs["slices"] and all(h["alive"] for sl in cs["slices"] for h in sl["hosts"]):
             break
         assert time.monotonic() < end, cs
         time.sleep(1)
@@ -283,6 +284,7 @@ def test_a_joined_cluster_is_used_and_left_standing(gke):
     assert join.returncode == 0, join.stderr
     doc = json.loads(join.stdout)
     assert doc["gke"]["owned"] is False and [s["name"] for s in doc["slices"]] == ["tpu-0", "tpu-1", "tpu-2"]
+    assert doc["spares"] == ["tpu-1"]  # the annotation's (tpu-1 the spare since the preemption above)
     st = run_cli("cluster", "status", "--json", env=other, timeout=120)  # with the token its Secret holds
     assert st.returncode == 0, st.stderr
     assert all(h["alive"] for s in json.loads(st.stdout)["slices"] for h in s["hosts"])

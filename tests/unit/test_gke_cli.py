@@ -432,10 +432,16 @@ def test_a_slice_that_does_not_come_back_says_what_gkes_autoscaler_said_of_it(ap
                                        slices=[was]))
     try:
         # asked once when a spare took its place: its old pods are gone already, and new ones wait for nodes
-        assert provider.preempted(["tpu-1"]) == {"tpu-1": "KubeRay made its replica again (new pods at new addresses):"
-                                                           " the old ones went with their nodes"}
+        assert provider.preempted(["tpu-1"]) == {"tpu-1": "KubeRay made its replica again (new pods, at new addresses"
+                                                           " or none yet): the old ones went with their nodes"}
         with pytest.raises(RejoinFailed) as e:
             provider.rejoin(["tpu-1"], 0.1, lambda _msg: None)
+        # a swap names the lost slice the spare, and records the spare where its pods are now (none with an
+        # address yet here): a loss of it in turn is read against that, not against where it once was
+        store.patch("rayclusters", "default", "back", {"metadata": {"annotations": {"tpulaunch.dev/spares": '["tpu-1"]'}}})
+        provider.swap("tpu-0", "tpu-1")
+        assert provider.spares() == ["tpu-0"]
+        assert [(sl.name, sl.workers) for sl in provider.info.slices] == [("tpu-1", ())]
     finally:
         for n in names:
             store.delete("pods", "default", n)

@@ -332,6 +332,7 @@ def join(target: kube_mod.KubeTarget, name: str, say: Say) -> ClusterInfo:
                        token_path=token_path, emulated=False, gke=spec,
                        slices=kuberay.slices_from_pods(pods, group["groupName"], shape.topology.accelerator_type,
                                                        shape.topology.topology, n))
+    info.spares = GkeProvider(info).spares()  # a cluster tpulaunch made with spares names them
     say(f"joined RayCluster {name} ({n} x {shape.topology.accelerator_type}); `cluster down` leaves it standing")
     save_record(info)
     return info
@@ -399,10 +400,16 @@ class GkeProvider(Provider):
         return [n for n in names if isinstance(n, str)]
 
     def swap(self, lost: str, spare: str) -> None:
+        """The annotation says `lost` is the spare now; the record has the spare where its pods are now
+        (`preempted` compares a slice with it when the spare, in the run, is lost in turn)."""
         names = [lost if s == spare else s for s in self.spares()]
         self.kube().patch("RayCluster", self.spec.name,
                           {"metadata": {"annotations": {manifest.SPARES_ANNOTATION: json.dumps(names)}}})
         self.info.spares = names
+        r = self._replica(spare)
+        if r is not None:
+            now = kuberay.slices_from_pods(self._facts()[0], self.spec.group, "", "", r + 1)[r]
+            self.info.slices = [s for s in self.info.slices if s.name != spare] + [now]
 
     def supervisor_env(self) -> dict[str, str]:
         doc = {"name": self.spec.name, "namespace": self.spec.namespace, "group": self.spec.group}
@@ -542,7 +549,8 @@ class GkeProvider(Provider):
         """Why `name`'s replica is not the one the cluster's record has (KubeRay made it again), or None."""
         known = next((sorted(w.ip for w in s.workers) for s in self.info.slices if s.name == name), None)
         if known and now.get(name) != known:
-            return "KubeRay made its replica again (new pods at new addresses): the old ones went with their nodes"
+            return ("KubeRay made its replica again (new pods, at new addresses or none yet): the old ones went with"
+                    " their nodes")
         return None
 
     def bring_back(self, lost: list[str], deadline_s: float, say: Say) -> tuple[list[Recreation], list[SliceSpec]]:

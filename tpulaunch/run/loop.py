@@ -92,7 +92,6 @@ def _next(action: policy.Action, a: Attempt, current: LaunchPlan, full: LaunchPl
     if current is full:
         swapped = resize.swap_in_spares(sorted(hit), a, current, ctx, "a preemption or a lost host")
         if swapped is not None:
-            resize.lost_to_preemption(a, sorted(hit), ctx)
             nxt = resize.next_attempt(swapped, "preemption")
             return nxt, nxt, spent, None
     else:  # too few slices left to go on: wait for the whole run's again

@@ -142,8 +142,9 @@ def swap_in_spares(lost: list[str], a: Attempt, current: LaunchPlan, ctx: RunCon
                    heal: bool = True) -> LaunchPlan | None:
     """A spare of the run's shape, whole and free in Ray, for each slice in `lost`: the plan with them
     in the lost ones' places (same slice ids; process indices, `MEGASCALE_*` and the mesh made afresh
-    for that fleet), the record saying the lost ones are the spares now, and (`heal`) the lost ones
-    brought back in the background (as spares). None when there are not spares enough (the run waits
+    for that fleet), the record saying the lost ones are the spares now, the attempt's outcome
+    preempted if the provider says so (`lost_to_preemption`), and (`heal`) the lost ones brought
+    back in the background (as spares). None when there are not spares enough (the run waits
     instead)."""
     from tpulaunch import providers
     from tpulaunch.discover import ray_labels
@@ -171,6 +172,8 @@ def swap_in_spares(lost: list[str], a: Attempt, current: LaunchPlan, ctx: RunCon
     ctx.sink.progress("; ".join(f"spare {spec.name} takes {name}'s place" for name, spec in swaps.items())
                       + f" ({took:.2f} s): {name if len(lost) == 1 else 'they'} come(s) back as spare(s) in the"
                       " background")
+    # asked before the lost ones are brought back: bringing them back moves the record to their new pods
+    lost_to_preemption(a, list(swaps), ctx)
     if heal:
         rec = ctx.sup.recovery
         ctx.healings.append(elastic.Regrowth(ctx.cluster, current, list(swaps), recreate=rec.recreate,
