@@ -332,10 +332,20 @@ def join(target: kube_mod.KubeTarget, name: str, say: Say) -> ClusterInfo:
                        token_path=token_path, emulated=False, gke=spec,
                        slices=kuberay.slices_from_pods(pods, group["groupName"], shape.topology.accelerator_type,
                                                        shape.topology.topology, n))
-    info.spares = GkeProvider(info).spares()  # a cluster tpulaunch made with spares names them
+    info.spares = _spares_of(rc)  # a cluster tpulaunch made with spares names them
     say(f"joined RayCluster {name} ({n} x {shape.topology.accelerator_type}); `cluster down` leaves it standing")
     save_record(info)
     return info
+
+
+def _spares_of(rc: dict) -> list[str]:
+    """The spare slices a RayCluster's annotation names (tpulaunch's; none on another's). Pure."""
+    raw = ((rc.get("metadata") or {}).get("annotations") or {}).get(manifest.SPARES_ANNOTATION)
+    try:
+        names = json.loads(raw) if raw else []
+    except ValueError:
+        names = []
+    return [n for n in names if isinstance(n, str)]
 
 
 _FORWARDS: dict[tuple[str, str, str], kube_mod.Forward] = {}
@@ -391,13 +401,7 @@ class GkeProvider(Provider):
 
     def spares(self) -> list[str]:
         """The RayCluster's annotation says (the supervisor on the head and every client read the same)."""
-        rc = self.kube().get("RayCluster", self.spec.name) or {}
-        raw = ((rc.get("metadata") or {}).get("annotations") or {}).get(manifest.SPARES_ANNOTATION)
-        try:
-            names = json.loads(raw) if raw else []
-        except ValueError:
-            names = []
-        return [n for n in names if isinstance(n, str)]
+        return _spares_of(self.kube().get("RayCluster", self.spec.name) or {})
 
     def swap(self, lost: str, spare: str) -> None:
         """The annotation says `lost` is the spare now; the record has the spare where its pods are now
@@ -408,7 +412,8 @@ class GkeProvider(Provider):
         self.info.spares = names
         r = self._replica(spare)
         if r is not None:
-            now = kuberay.slices_from_pods(self._facts()[0], self.spec.group, "", "", r + 1)[r]
+            pods = self.kube().list("Pod", kuberay.selector(self.spec.name))
+            now = kuberay.slices_from_pods(pods, self.spec.group, "", "", r + 1)[r]
             self.info.slices = [s for s in self.info.slices if s.name != spare] + [now]
 
     def supervisor_env(self) -> dict[str, str]:
@@ -527,7 +532,7 @@ class GkeProvider(Provider):
         return pods, nodes
 
     def preempted(self, slices: list[str]) -> dict[str, str | None]:
-        """Asked once, when a spare has taken a lost slice's place: by then KubeRay may have made the
+        """Also asked once a spare has taken a lost slice's place: by then KubeRay may have made the
         replica again already (new pods, waiting for GKE's pool), which says it as well as the old
         pods' end would have."""
         pods, nodes = self._facts()
